@@ -1,0 +1,1 @@
+"""posbench: how positional encodings behave past their training length."""

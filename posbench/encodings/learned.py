@@ -1,0 +1,40 @@
+"""Learned absolute table (BERT, GPT-2), with an explicit policy for rows never trained."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from posbench.encodings.base import Encoding, ModelDims, check_choice
+
+# error: refuse before training; clamp: reuse the last trained row; random: the untrained
+# (randomly initialised) rows, the standard protocol.
+POLICIES = ("random", "clamp", "error")
+
+
+class Learned(Encoding):
+    name = "learned"
+    hooks = frozenset({"embed"})
+
+    def __init__(self, dims: ModelDims, policy: str = "random", init_std: float = 0.02):
+        super().__init__(dims)
+        check_choice("learned", "policy", policy, POLICIES)
+        if policy == "error" and dims.max_positions > dims.train_positions:
+            raise ValueError(
+                f"learned encoding with policy=error: evaluation needs positions up to {dims.max_positions - 1} "
+                f"but training only reaches {dims.train_positions - 1}; set encoding.policy=random or clamp, "
+                "or lower eval.max_ratio / eval.lengths")
+        self.policy = policy
+        self.table = nn.Parameter(torch.randn(dims.max_positions, dims.d_model) * init_std)  # [P, D]
+
+    def params(self) -> dict:
+        return {"policy": self.policy, "rows": self.table.shape[0], "trained_rows": self.dims.train_positions}
+
+    def embed(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        pos = pos.long()
+        top = int(pos.max())
+        if top >= self.table.shape[0]:
+            raise IndexError(f"learned table has {self.table.shape[0]} rows but position {top} was asked for; "
+                             "the run sized it from eval lengths, so this input is longer than planned")
+        if self.policy == "clamp":
+            pos = pos.clamp(max=self.dims.train_positions - 1)
+        return x + self.table[pos].to(x.dtype)  # [B, L, D]

@@ -1,0 +1,59 @@
+"""T5 relative bias (Raffel et al. 2020): a learned scalar per head per bucket of j - i,
+shared by all layers as in T5."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from posbench.encodings.base import Encoding, ModelDims
+
+
+def t5_bucket(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int = 32,
+              max_distance: int = 128) -> torch.Tensor:
+    """Bucket ids for relative_position = j - i (key minus query), any shape -> same shape, long.
+
+    Bidirectional: half the buckets per sign (keys after the query in the upper half).
+    Causal: only i - j >= 0 matters; future offsets share bucket 0. Within a sign,
+    distances below half the buckets get one bucket each, larger ones log-spaced up to
+    max_distance, and everything beyond falls into the last bucket.
+    """
+    distance = -relative_position.long()  # i - j
+    offset = torch.zeros_like(distance)
+    if bidirectional:
+        num_buckets //= 2
+        offset = (distance < 0).long() * num_buckets
+        distance = distance.abs()
+    else:
+        distance = distance.clamp(min=0)
+    exact = num_buckets // 2
+    log_ratio = torch.log(distance.clamp(min=exact).double() / exact) / math.log(max_distance / exact)
+    log_bucket = exact + (log_ratio * (num_buckets - exact)).long()
+    log_bucket = log_bucket.clamp(max=num_buckets - 1)
+    return offset + torch.where(distance < exact, distance, log_bucket)
+
+
+class T5(Encoding):
+    name = "t5"
+    hooks = frozenset({"bias"})
+    relative = True
+
+    def __init__(self, dims: ModelDims, num_buckets: int = 32, max_distance: int = 128,
+                 bidirectional: bool | None = None):
+        super().__init__(dims)
+        self.num_buckets, self.max_distance = int(num_buckets), int(max_distance)
+        self.bidirectional = (not dims.causal) if bidirectional is None else bool(bidirectional)
+        if self.num_buckets < (4 if self.bidirectional else 2):
+            raise ValueError(f"t5: num_buckets={num_buckets} is too small; use at least 4 (bidirectional) or 2")
+        self.table = nn.Embedding(self.num_buckets, dims.n_heads)  # [buckets, H]
+        nn.init.zeros_(self.table.weight)
+
+    def params(self) -> dict:
+        return {"num_buckets": self.num_buckets, "max_distance": self.max_distance,
+                "bidirectional": self.bidirectional}
+
+    def bias(self, q_pos, k_pos, layer):
+        relative = k_pos[:, None, :] - q_pos[:, :, None]  # [B', Lq, Lk]
+        buckets = t5_bucket(relative, self.bidirectional, self.num_buckets, self.max_distance)
+        return self.table(buckets).permute(0, 3, 1, 2)  # [B', H, Lq, Lk]

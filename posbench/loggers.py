@@ -1,0 +1,79 @@
+"""Experiment loggers. The results files are the source of truth; a logger mirrors them."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class NullLogger:
+    def log_train(self, step: int, metrics: dict) -> None:
+        pass
+
+    def log_eval(self, row: dict) -> None:
+        pass
+
+    def finish(self, rows: list[dict], curve_png: Path | None, status: str) -> None:
+        pass
+
+
+def wandb_mode(requested: str | None) -> str:
+    """The mode to run wandb in: the config's, else WANDB_MODE, else online only with credentials."""
+    mode = requested or os.environ.get("WANDB_MODE")
+    if mode:
+        if mode not in ("online", "offline", "disabled", "dryrun", "run"):
+            raise ValueError(f"logger.mode={mode!r}; choose online, offline or disabled")
+        return mode
+    has_key = bool(os.environ.get("WANDB_API_KEY")) or (Path.home() / ".netrc").exists()
+    if not has_key:
+        print("wandb: no API key found; logging offline (sync later with `wandb sync`)")
+    return "online" if has_key else "offline"
+
+
+class WandbLogger:
+    """Runs are grouped by <encoding>-<task> (seeds together), tagged with encoding, task and
+    N, and carry flat config keys so the runs table sorts and filters by them. Evaluation
+    metrics use eval/length as their x-axis."""
+
+    def __init__(self, config: dict, run_name: str, group: str, tags: list[str], run_dir: Path,
+                 project: str = "posbench", entity: str | None = None, mode: str | None = None,
+                 dir: str | None = None):
+        import wandb
+
+        self.wandb = wandb
+        self.run = wandb.init(project=project, entity=entity, mode=wandb_mode(mode), name=run_name,
+                              group=group, tags=tags, job_type=config.get("task"), config=config,
+                              dir=str(dir or run_dir), reinit="finish_previous")
+        self.run.define_metric("train/step")
+        self.run.define_metric("train/*", step_metric="train/step")
+        self.run.define_metric("eval/length")
+        self.run.define_metric("eval/*", step_metric="eval/length")
+
+    def log_train(self, step: int, metrics: dict) -> None:
+        self.run.log({"train/step": step, **{f"train/{k}": v for k, v in metrics.items()}})
+
+    def log_eval(self, row: dict) -> None:
+        keys = ("ratio", "exact_match", "token_acc", "loss", "eval_tokens_per_s", "peak_mem_mb")
+        self.run.log({"eval/length": row["eval_length"], **{f"eval/{k}": row[k] for k in keys}})
+
+    def finish(self, rows: list[dict], curve_png: Path | None, status: str) -> None:
+        columns = ["eval_length", "ratio", "exact_match", "token_acc", "loss", "eval_tokens_per_s"]
+        table = self.wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
+        payload = {"eval/curve": table,
+                   "eval/curve_plot": self.wandb.plot.line(table, "ratio", "exact_match",
+                                                           title="exact match vs eval/train length")}
+        if curve_png is not None:
+            payload["eval/curve_png"] = self.wandb.Image(str(curve_png))
+        self.run.log(payload)
+        self.run.summary["status"] = status
+        self.run.finish(exit_code=0 if status == "ok" else 1)
+
+
+def build_logger(cfg, config: dict, run_name: str, run_dir: Path):
+    name = cfg.name
+    if name == "none":
+        return NullLogger()
+    if name == "wandb":
+        tags = [config["encoding"], config["task"], f"N={config['train_length']}", *cfg.tags]
+        return WandbLogger(config, run_name, cfg.group or f"{config['encoding']}-{config['task']}", tags,
+                           run_dir, project=cfg.project, entity=cfg.entity, mode=cfg.mode, dir=cfg.dir)
+    raise ValueError(f"unknown logger {name!r}; choose none or wandb")

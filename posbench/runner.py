@@ -1,0 +1,275 @@
+"""Build (task, encoding, model) from a config, train at N, evaluate length by length.
+
+Each evaluated length becomes one result row, appended to the run directory at once.
+"""
+from __future__ import annotations
+
+import math
+import resource
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from posbench.attention import get_backend
+from posbench.encodings.base import Encoding, ModelDims
+from posbench.loggers import build_logger
+from posbench.model import ModelConfig, Transformer
+from posbench.results import RowWriter, plot_run
+from tasks.base import Task, batch_metrics, finalize_metrics
+
+TRAIN_LENGTH_MODES = ("uniform", "fixed")
+TIMING_WARMUP_STEPS = 10
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if str(name).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={name} but CUDA is not available here; use device=auto or device=cpu")
+    return torch.device(name)
+
+
+def eval_lengths(cfg_eval: DictConfig, train_length: int) -> list[int]:
+    if cfg_eval.lengths:
+        lengths = sorted({int(n) for n in cfg_eval.lengths})
+    else:
+        lengths = sorted({max(1, round(float(r) * train_length)) for r in cfg_eval.ratios})
+    if not lengths or lengths[0] < 1:
+        raise ValueError(f"evaluation lengths must be >= 1, got {lengths}; check eval.lengths / eval.ratios")
+    return lengths
+
+
+def learning_rate(step: int, cfg_train: DictConfig) -> float:
+    """Linear warm-up, then cosine decay from lr to lr * min_lr_ratio."""
+    if step < cfg_train.warmup_steps:
+        return cfg_train.lr * (step + 1) / cfg_train.warmup_steps
+    progress = (step - cfg_train.warmup_steps) / max(1, cfg_train.steps - cfg_train.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return cfg_train.lr * (cfg_train.min_lr_ratio + (1 - cfg_train.min_lr_ratio) * cosine)
+
+
+def git_commit() -> str:
+    try:
+        root = Path(__file__).resolve().parent.parent
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5)
+        if sha.returncode:
+            return "unknown"
+        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_mb(device: torch.device) -> tuple[float, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "process_peak_rss"
+
+
+def positions(length: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(length, device=device)[None]  # [1, L]
+
+
+@dataclass
+class Built:
+    task: Task
+    encoding: Encoding
+    model: Transformer
+    train_length: int
+    lengths: list[int]
+
+
+def build(cfg: DictConfig, device: torch.device) -> Built:
+    """Everything a run needs, validated before any training step."""
+    check_choice_value("train.lengths", cfg.train.lengths, TRAIN_LENGTH_MODES)
+    task: Task = instantiate(cfg.task)
+    train_length = int(cfg.train.length)
+    if train_length < 1:
+        raise ValueError(f"train.length={train_length}: must be >= 1")
+    lengths = eval_lengths(cfg.eval, train_length)
+    model_cfg = ModelConfig(vocab_size=task.vocab_size, **OmegaConf.to_container(cfg.model))
+    if model_cfg.d_model % model_cfg.n_heads:
+        raise ValueError(f"model.d_model={model_cfg.d_model} is not divisible by model.n_heads="
+                         f"{model_cfg.n_heads}; pick sizes with d_model % n_heads == 0")
+    dims = ModelDims(d_model=model_cfg.d_model, n_heads=model_cfg.n_heads, n_layers=model_cfg.n_layers,
+                     max_positions=max(task.sequence_length(n) for n in [train_length, *lengths]),
+                     train_positions=task.sequence_length(train_length), causal=model_cfg.causal)
+    encoding = instantiate(cfg.encoding)(dims=dims)
+    model = Transformer(model_cfg, encoding, get_backend(cfg.backend.name)).to(device)
+    return Built(task, encoding, model, train_length, lengths)
+
+
+def check_choice_value(key: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{key}={value!r} is not valid; choose one of {list(choices)}")
+
+
+def train(built: Built, cfg: DictConfig, device: torch.device, logger) -> dict:
+    """Returns tokens/s after warm-up, the final loss and the status (ok | diverged)."""
+    model, task, cfg_train = built.model, built.task, cfg.train
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("encoding")]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or n.startswith("encoding")]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg_train.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=cfg_train.lr,
+                                  betas=(0.9, 0.98))
+    data_gen = torch.Generator(device).manual_seed(cfg.seed)
+    length_gen = torch.Generator().manual_seed(cfg.seed)
+    timed_tokens, timed_seconds, loss_value, status = 0, 0.0, float("nan"), "ok"
+    bar = tqdm(range(cfg_train.steps), desc=f"train {built.encoding.name}/{task.name} N={built.train_length}",
+               dynamic_ncols=True, mininterval=1.0)
+    for step in bar:
+        if step == TIMING_WARMUP_STEPS:
+            sync(device)
+            start = time.perf_counter()
+        length = built.train_length
+        if cfg_train.lengths == "uniform":
+            length = int(torch.randint(1, built.train_length + 1, (1,), generator=length_gen))
+        batch = task.sample(cfg_train.batch_size, length, data_gen)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, cfg_train)
+        logits = model(batch.inputs, positions(batch.inputs.shape[1], device))  # [B, T, V]
+        sums = batch_metrics(logits, batch)
+        loss = sums["loss_sum"] / sums["tokens"]
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg_train.grad_clip)
+        optimizer.step()
+        if step >= TIMING_WARMUP_STEPS:
+            timed_tokens += batch.inputs.numel()
+        if step % cfg_train.log_every == 0 or step == cfg_train.steps - 1:
+            loss_value = loss.item()
+            if not math.isfinite(loss_value):
+                status = "diverged"
+                print(f"\ntraining diverged at step {step} (loss {loss_value}); stopping and recording it")
+                break
+            token_acc = (sums["correct"] / sums["tokens"]).item()
+            bar.set_postfix(loss=f"{loss_value:.3f}", acc=f"{token_acc:.3f}", n=length)
+            logger.log_train(step, {"loss": loss_value, "token_acc": token_acc, "length": length,
+                                    "lr": optimizer.param_groups[0]["lr"]})
+    bar.close()
+    sync(device)
+    if cfg_train.steps > TIMING_WARMUP_STEPS and status == "ok":
+        timed_seconds = time.perf_counter() - start
+    return {"tokens_per_s": timed_tokens / timed_seconds if timed_seconds else None, "loss": loss_value,
+            "status": status, "steps": step + 1 if cfg_train.steps else 0}
+
+
+@torch.no_grad()
+def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.device) -> dict:
+    """Metrics over cfg_eval.samples fresh sequences at one length, and tokens/s past the first batch."""
+    model, task = built.model, built.task
+    model.eval()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    gen = torch.Generator(device).manual_seed(int(cfg_eval.seed) + length)
+    totals: dict[str, float] = {}
+    timed_tokens, timed_seconds, done = 0, 0.0, 0
+    while done < cfg_eval.samples:
+        size = min(cfg_eval.batch_size, cfg_eval.samples - done)
+        sync(device)
+        start = time.perf_counter()
+        batch = task.sample(size, length, gen)
+        logits = model(batch.inputs, positions(batch.inputs.shape[1], device))  # [B, T, V]
+        sums = batch_metrics(logits, batch)
+        sync(device)
+        if done:  # the first batch is warm-up
+            timed_tokens += batch.inputs.numel()
+            timed_seconds += time.perf_counter() - start
+        elif size == cfg_eval.samples:  # a single batch: time it anyway
+            timed_tokens, timed_seconds = batch.inputs.numel(), time.perf_counter() - start
+        for key, value in sums.items():
+            totals[key] = totals.get(key, 0.0) + float(value)
+        done += size
+    peak, kind = peak_memory_mb(device)
+    return {**finalize_metrics(totals), "eval_tokens_per_s": timed_tokens / timed_seconds,
+            "peak_mem_mb": peak, "mem_kind": kind}
+
+
+def flat_config(cfg: DictConfig, built: Built) -> dict:
+    """Flat keys for dashboards (wandb runs table) plus the whole resolved config."""
+    return {"encoding": built.encoding.name, "task": built.task.name, "train_length": built.train_length,
+            "seed": int(cfg.seed), "backend": cfg.backend.name, "train_lengths": cfg.train.lengths,
+            "steps": int(cfg.train.steps), "d_model": built.model.cfg.d_model,
+            "n_layers": built.model.cfg.n_layers, "n_heads": built.model.cfg.n_heads,
+            **{f"encoding.{k}": v for k, v in built.encoding.params().items()},
+            "config": OmegaConf.to_container(cfg, resolve=True)}
+
+
+def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
+    """Train and evaluate one configuration; returns the rows written to run_dir/results.jsonl."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    device = resolve_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    built = build(cfg, device)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    run_name = cfg.run_name or f"{built.encoding.name}-{built.task.name}-N{built.train_length}-s{cfg.seed}"
+    logger = build_logger(cfg.logger, flat_config(cfg, built), run_name, run_dir)
+    writer = RowWriter(run_dir)
+    base = {
+        "run_id": uuid.uuid4().hex[:12], "run_name": run_name, "encoding": built.encoding.name,
+        "encoding_params": built.encoding.params(), "task": built.task.name, "task_params": built.task.params(),
+        "model": OmegaConf.to_container(cfg.model), "backend": cfg.backend.name, "seed": int(cfg.seed),
+        "train_length": built.train_length, "train_sequence_length": built.task.sequence_length(built.train_length),
+        "train_lengths": cfg.train.lengths, "device": str(device), "torch": torch.__version__,
+        "git_commit": git_commit(),
+    }
+    n_params = sum(p.numel() for p in built.model.parameters())
+    print(f"{run_name}: {n_params:,} parameters on {device}; evaluating lengths {built.lengths}; writing {run_dir}")
+    trained = train(built, cfg, device, logger)
+    base |= {"train_steps": trained["steps"], "train_tokens_per_s": trained["tokens_per_s"]}
+    rows = []
+    for length in tqdm(built.lengths, desc="evaluate", dynamic_ncols=True):
+        row = {**base, "eval_length": length, "eval_sequence_length": built.task.sequence_length(length),
+               "ratio": length / built.train_length, "samples": int(cfg.eval.samples),
+               "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        if trained["status"] == "diverged":
+            row |= {"status": "diverged", "exact_match": None, "token_acc": None, "loss": None,
+                    "eval_tokens_per_s": None, "peak_mem_mb": None, "mem_kind": None}
+        else:
+            try:
+                row |= {"status": "ok", **evaluate(built, length, cfg.eval, device)}
+            except Exception as err:
+                writer.write(row | {"status": f"failed: {type(err).__name__}: {err}"[:500], "exact_match": None,
+                                    "token_acc": None, "loss": None, "eval_tokens_per_s": None,
+                                    "peak_mem_mb": None, "mem_kind": None})
+                raise
+        writer.write(row)
+        logger.log_eval(row)
+        rows.append(row)
+    curve = run_dir / "curve.png"
+    plot_run(rows, curve)
+    print_table(rows, trained)
+    logger.finish(rows, curve, trained["status"])
+    return rows
+
+
+def print_table(rows: list[dict], trained: dict) -> None:
+    speed = trained["tokens_per_s"]
+    print(f"\nstatus {trained['status']}; {trained['steps']} training steps; "
+          f"train {speed:,.0f} tokens/s" if speed else f"\nstatus {trained['status']}")
+    header = f"{'length':>7} {'ratio':>6} {'exact':>7} {'token_acc':>9} {'loss':>8} {'eval tok/s':>11}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        if r["exact_match"] is None:
+            print(f"{r['eval_length']:>7} {r['ratio']:>6.2f} {r['status']:>7}")
+            continue
+        print(f"{r['eval_length']:>7} {r['ratio']:>6.2f} {r['exact_match']:>7.3f} {r['token_acc']:>9.3f} "
+              f"{r['loss']:>8.3f} {r['eval_tokens_per_s']:>11,.0f}")

@@ -1,0 +1,9 @@
+"""Task registry: name -> class. Each name has one `configs/task/<name>.yaml`."""
+from tasks.base import Batch, Task
+from tasks.copy import Copy
+from tasks.reverse import Reverse
+from tasks.sort import Sort
+
+REGISTRY: dict[str, type[Task]] = {cls.name: cls for cls in (Copy, Reverse, Sort)}
+
+__all__ = ["REGISTRY", "Batch", "Task"]

@@ -1,0 +1,11 @@
+"""Sort: output the input symbols in ascending order. Length = number of input symbols."""
+import torch
+
+from tasks.base import TransductionTask
+
+
+class Sort(TransductionTask):
+    name = "sort"
+
+    def transform(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sort(dim=1).values
