@@ -28,7 +28,8 @@ def t5_bucket(relative_position: torch.Tensor, bidirectional: bool, num_buckets:
     else:
         distance = distance.clamp(min=0)
     exact = num_buckets // 2
-    log_ratio = torch.log(distance.clamp(min=exact).double() / exact) / math.log(max_distance / exact)
+    # float32 as in T5's released code, so that ids on exact-integer boundaries match it
+    log_ratio = torch.log(distance.clamp(min=exact).float() / exact) / math.log(max_distance / exact)
     log_bucket = exact + (log_ratio * (num_buckets - exact)).long()
     log_bucket = log_bucket.clamp(max=num_buckets - 1)
     return offset + torch.where(distance < exact, distance, log_bucket)

@@ -1,0 +1,85 @@
+"""Every config composes with Hydra's compose API and builds; registries match config files."""
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict
+
+from posbench.encodings import REGISTRY as ENCODINGS
+from posbench.runner import build, eval_lengths
+from tasks import REGISTRY as TASKS
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # resolves ${hydra:...} as in a real run
+    with open_dict(cfg):
+        del cfg.hydra
+    return cfg
+
+
+def test_encoding_configs_equal_the_registry():
+    assert options("encoding") == sorted(ENCODINGS)
+
+
+def test_task_configs_equal_the_registry():
+    assert options("task") == sorted(TASKS)
+
+
+@pytest.mark.parametrize("encoding", options("encoding"))
+@pytest.mark.parametrize("task", options("task"))
+def test_every_encoding_and_task_builds(encoding, task):
+    cfg = compose_cfg(f"encoding={encoding}", f"task={task}")
+    built = build(cfg, torch.device("cpu"))
+    assert built.encoding.name == encoding and built.task.name == task
+    assert built.lengths == [8, 16, 24, 32, 48, 64]
+
+
+@pytest.mark.parametrize("group", ["model", "train", "eval", "logger", "backend"])
+def test_every_option_of_every_group_composes(group):
+    for option in options(group):
+        cfg = compose_cfg(f"{group}={option}")
+        assert cfg[group] is not None
+
+
+def test_unknown_choice_lists_the_valid_ones():
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException, match=r"(?s)encoding/bogus.*alibi.*rope"):
+        compose_cfg("encoding=bogus")
+
+
+def test_unknown_key_is_refused():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="bogus"):
+        compose_cfg("train.bogus=1")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["encoding=rope", "model.d_model=36", "model.n_heads=4"], "even head size"),
+    (["encoding=sinusoidal", "model.d_model=33", "model.n_heads=1"], "even model size"),
+    (["encoding=learned", "encoding.policy=error"], "policy=error"),
+    (["model.d_model=30", "model.n_heads=4"], "not divisible"),
+    (["train.lengths=sometimes"], "choose one of"),
+    (["backend=sdpa", "encoding=rope", "eval.lengths=[0,4]"], "must be >= 1"),
+])
+def test_invalid_combinations_fail_before_training(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        build(compose_cfg(*overrides), torch.device("cpu"))
+
+
+def test_eval_lengths_grid():
+    cfg = compose_cfg("train.length=10", "eval.ratios=[0.5,1,2,8]")
+    assert eval_lengths(cfg.eval, 10) == [5, 10, 20, 80]
+    cfg = compose_cfg("eval.lengths=[40,3,3]")
+    assert eval_lengths(cfg.eval, 16) == [3, 40]
