@@ -15,7 +15,7 @@ METRIC_LABELS = {"exact_match": "exact-match accuracy", "token_acc": "token accu
 # Every row carries these keys (metrics may be None for a length that was not measured).
 SCHEMA = (
     "run_id", "run_name", "status", "encoding", "encoding_params", "task", "task_params", "model",
-    "backend", "seed", "train_length", "train_sequence_length", "train_lengths", "train_steps",
+    "backend", "seed", "train_length", "train_sequence_length", "train_lengths", "train_steps", "train_seconds",
     "eval_length", "eval_sequence_length", "ratio", "samples", *METRICS,
     "train_tokens_per_s", "eval_tokens_per_s", "peak_mem_mb", "mem_kind", "device", "torch",
     "git_commit", "time",
@@ -71,6 +71,9 @@ def collect(paths):
     if not rows:
         raise FileNotFoundError(f"no {ROW_FILE} rows found under {[str(p) for p in paths]}")
     frame = pd.DataFrame(rows)
+    for key in SCHEMA:  # rows written by an older version may lack newer keys
+        if key not in frame:
+            frame[key] = None
     for key in ("encoding_params", "task_params", "model"):
         frame[key] = frame[key].map(lambda v: json.dumps(v, sort_keys=True) if isinstance(v, dict) else v)
     return frame

@@ -129,6 +129,7 @@ def train(built: Built, cfg: DictConfig, device: torch.device, logger) -> dict:
     data_gen = torch.Generator(device).manual_seed(cfg.seed)
     length_gen = torch.Generator().manual_seed(cfg.seed)
     timed_tokens, timed_seconds, loss_value, status = 0, 0.0, float("nan"), "ok"
+    began = time.perf_counter()
     bar = tqdm(range(cfg_train.steps), desc=f"train {built.encoding.name}/{task.name} N={built.train_length}",
                dynamic_ncols=True, mininterval=1.0)
     for step in bar:
@@ -165,7 +166,8 @@ def train(built: Built, cfg: DictConfig, device: torch.device, logger) -> dict:
     if cfg_train.steps > TIMING_WARMUP_STEPS and status == "ok":
         timed_seconds = time.perf_counter() - start
     return {"tokens_per_s": timed_tokens / timed_seconds if timed_seconds else None, "loss": loss_value,
-            "status": status, "steps": step + 1 if cfg_train.steps else 0}
+            "status": status, "steps": step + 1 if cfg_train.steps else 0,
+            "seconds": time.perf_counter() - began}
 
 
 @torch.no_grad()
@@ -233,7 +235,8 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
     n_params = sum(p.numel() for p in built.model.parameters())
     print(f"{run_name}: {n_params:,} parameters on {device}; evaluating lengths {built.lengths}; writing {run_dir}")
     trained = train(built, cfg, device, logger)
-    base |= {"train_steps": trained["steps"], "train_tokens_per_s": trained["tokens_per_s"]}
+    base |= {"train_steps": trained["steps"], "train_seconds": round(trained["seconds"], 2),
+             "train_tokens_per_s": trained["tokens_per_s"]}
     rows = []
     for length in tqdm(built.lengths, desc="evaluate", dynamic_ncols=True):
         row = {**base, "eval_length": length, "eval_sequence_length": built.task.sequence_length(length),
@@ -262,8 +265,8 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
 
 def print_table(rows: list[dict], trained: dict) -> None:
     speed = trained["tokens_per_s"]
-    print(f"\nstatus {trained['status']}; {trained['steps']} training steps; "
-          f"train {speed:,.0f} tokens/s" if speed else f"\nstatus {trained['status']}")
+    print(f"\nstatus {trained['status']}; {trained['steps']} training steps in {trained['seconds']:.0f} s"
+          + (f"; train {speed:,.0f} tokens/s" if speed else ""))
     header = f"{'length':>7} {'ratio':>6} {'exact':>7} {'token_acc':>9} {'loss':>8} {'eval tok/s':>11}"
     print(header)
     print("-" * len(header))
