@@ -107,7 +107,9 @@ def build(cfg: DictConfig, device: torch.device) -> Built:
     dims = ModelDims(d_model=model_cfg.d_model, n_heads=model_cfg.n_heads, n_layers=model_cfg.n_layers,
                      max_positions=max(task.sequence_length(n) for n in [train_length, *lengths]),
                      train_positions=task.sequence_length(train_length), causal=model_cfg.causal)
+    torch.manual_seed(cfg.seed)
     encoding = instantiate(cfg.encoding)(dims=dims)
+    torch.manual_seed(cfg.seed + 1)  # the model's initialisation must not depend on the encoding's table size
     model = Transformer(model_cfg, encoding, get_backend(cfg.backend.name)).to(device)
     return Built(task, encoding, model, train_length, lengths)
 
@@ -175,6 +177,7 @@ def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.devi
     """Metrics over cfg_eval.samples fresh sequences at one length, and tokens/s past the first batch."""
     model, task = built.model, built.task
     model.eval()
+    built.encoding.set_eval_length(task.sequence_length(built.train_length), task.sequence_length(length))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     gen = torch.Generator(device).manual_seed(int(cfg_eval.seed) + length)
@@ -218,7 +221,6 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     device = resolve_device(cfg.device)
-    torch.manual_seed(cfg.seed)
     built = build(cfg, device)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     run_name = cfg.run_name or f"{built.encoding.name}-{built.task.name}-N{built.train_length}-s{cfg.seed}"
@@ -235,6 +237,9 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
     n_params = sum(p.numel() for p in built.model.parameters())
     print(f"{run_name}: {n_params:,} parameters on {device}; evaluating lengths {built.lengths}; writing {run_dir}")
     trained = train(built, cfg, device, logger)
+    if cfg.train.save_checkpoint and trained["status"] == "ok":
+        torch.save({"model": built.model.state_dict(), "config": OmegaConf.to_container(cfg, resolve=True)},
+                   run_dir / "checkpoint.pt")
     base |= {"train_steps": trained["steps"], "train_seconds": round(trained["seconds"], 2),
              "train_tokens_per_s": trained["tokens_per_s"]}
     rows = []

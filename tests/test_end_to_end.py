@@ -36,6 +36,11 @@ def test_single_run_writes_rows_config_and_curve(tmp_path):
         assert row["train_steps"] == 20 and row["samples"] == 32
     assert (tmp_path / "curve.png").stat().st_size > 1000
     assert "alibi" in (tmp_path / "config.yaml").read_text()
+    import torch
+
+    checkpoint = torch.load(tmp_path / "checkpoint.pt")
+    assert checkpoint["config"]["task"]["_target_"] == "tasks.sort.Sort"
+    assert checkpoint["model"]["tok.weight"].shape == (11, 16)
     assert "token_acc" in result.stdout and "eval tok/s" in result.stdout
 
 

@@ -18,7 +18,8 @@ from posbench.encodings.t5 import t5_bucket
 HEADS, HEAD_DIM, SEQ = 4, 16, 24
 DIMS = ModelDims(d_model=HEADS * HEAD_DIM, n_heads=HEADS, n_layers=1, max_positions=2048, train_positions=2048)
 RELATIVE = torch.arange(-1000, 1001)  # j - i, key minus query
-T5_SETTINGS = [(32, 128), (16, 64), (64, 256), (8, 20), (18, 128), (9, 128), (10, 160)]  # (num_buckets, max_distance); the last three hit float rounding boundaries
+# (num_buckets, max_distance); the last three put exact-integer log ratios on bucket edges
+T5_SETTINGS = [(32, 128), (16, 64), (64, 256), (8, 20), (18, 128), (9, 128), (10, 160)]
 ALIBI_HEADS = [*range(1, 17), 24, 48]
 
 
@@ -77,7 +78,7 @@ def test_rope_half_matches_transformers_llama(pos):
 @pytest.mark.parametrize("num_buckets,max_distance", T5_SETTINGS)
 def test_t5_bucket_matches_transformers(num_buckets, max_distance, bidirectional):
     """t5_bucket equals T5Attention._relative_position_bucket (relative_position = j - i) for
-    every j - i in [-1000, 1000]; transformers does the log in float32, posbench in float64."""
+    every j - i in [-1000, 1000]; both do the log in float32, as T5's released code, so ids agree on the edges too."""
     pytest.importorskip("transformers")
     from transformers.models.t5.modeling_t5 import T5Attention
 

@@ -58,6 +58,11 @@ class Encoding(nn.Module):
         """The encoding's settings as recorded in every result row."""
         return {}
 
+    def set_eval_length(self, train_positions: int, eval_positions: int) -> None:
+        """Called by the runner before evaluating sequences of eval_positions tokens after
+        training on up to train_positions: the one place for evaluation-time switches
+        (RoPE scalings, table extensions). Default: nothing changes."""
+
     def logit_scale(self, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
 

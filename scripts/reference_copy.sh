@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Rebuild the README's default-settings table and figure: the six core encodings on copy
+# (and sort), default config, one seed each, two single-thread jobs at a time.
+#   bash scripts/reference_copy.sh [extra overrides]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=results/reference/core_copy_sort
+rm -rf "$out"
+python -m posbench --multirun hydra/launcher=joblib hydra.launcher.n_jobs=2 threads=1 \
+    encoding=nope,sinusoidal,learned,rope,alibi,t5 task=copy,sort "hydra.sweep.dir=$out" "$@"
+python -m posbench.report "$out"
