@@ -64,7 +64,7 @@ class Transformer(nn.Module):
         """ids: [B, L] token ids, pos: [B', L] position ids -> logits [B, L, V]."""
         x = self.tok(ids)  # [B, L, D]
         if "embed" in self.encoding.hooks:
-            x = self.encoding.embed(x, pos)  # [B, L, D]
+            x = self.encoding.embed(x, pos, ids)  # [B, L, D]
         x = self.drop(x)
         for block in self.blocks:
             x = block(x, pos)  # [B, L, D]

@@ -106,7 +106,8 @@ def build(cfg: DictConfig, device: torch.device) -> Built:
                          f"{model_cfg.n_heads}; pick sizes with d_model % n_heads == 0")
     dims = ModelDims(d_model=model_cfg.d_model, n_heads=model_cfg.n_heads, n_layers=model_cfg.n_layers,
                      max_positions=max(task.sequence_length(n) for n in [train_length, *lengths]),
-                     train_positions=task.sequence_length(train_length), causal=model_cfg.causal)
+                     train_positions=task.sequence_length(train_length), causal=model_cfg.causal,
+                     vocab_size=task.vocab_size)
     torch.manual_seed(cfg.seed)
     encoding = instantiate(cfg.encoding)(dims=dims)
     torch.manual_seed(cfg.seed + 1)  # the model's initialisation must not depend on the encoding's table size

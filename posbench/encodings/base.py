@@ -30,6 +30,7 @@ class ModelDims:
     max_positions: int  # largest position id + 1 the run will ever feed (train and eval)
     train_positions: int  # largest position id + 1 seen in training
     causal: bool = True
+    vocab_size: int = 0  # for encodings that build word-dependent positions (complex_order)
 
     @property
     def head_dim(self) -> int:
@@ -66,8 +67,8 @@ class Encoding(nn.Module):
     def logit_scale(self, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
 
-    def embed(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x: [B, L, D], pos: [B', L] -> [B, L, D]."""
+    def embed(self, x: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x: [B, L, D] token embeddings, pos: [B', L], ids: [B, L] token ids -> [B, L, D]."""
         return x
 
     def qk(self, q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,

@@ -29,7 +29,7 @@ class Learned(Encoding):
     def params(self) -> dict:
         return {"policy": self.policy, "rows": self.table.shape[0], "trained_rows": self.dims.train_positions}
 
-    def embed(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def embed(self, x: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         pos = pos.long()
         top = int(pos.max())
         if top >= self.table.shape[0]:

@@ -38,5 +38,5 @@ class Sinusoidal(Encoding):
     def params(self) -> dict:
         return {"layout": self.layout, "base": self.base}
 
-    def embed(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def embed(self, x: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return x + sinusoidal_table(pos, x.shape[-1], self.base, self.layout).to(x.dtype)  # [B, L, D]
