@@ -31,28 +31,30 @@ class Task:
 
 
 class TransductionTask(Task):
-    """Read n symbols, a separator, then write f(symbols): `x_1..x_n SEP y_1..y_n`.
+    """Read n symbols, a separator, then write f(symbols): `[BOS] x_1..x_n SEP y_1..y_n`.
 
-    The model sees `x SEP y_1..y_{n-1}` (2n tokens) and is scored on predicting y_1..y_n.
+    The model sees `[BOS] x SEP y_1..y_{n-1}` (2n tokens, 2n + 1 with BOS) and is scored on
+    predicting y_1..y_n. BOS gives every encoding, NoPE included, a fixed anchor to count from.
     """
 
-    def __init__(self, symbols: int = 10, default_length: int = 16):
+    def __init__(self, symbols: int = 10, default_length: int = 16, bos: bool = True):
         if symbols < 2:
             raise ValueError(f"task.symbols={symbols}: need at least 2 symbols")
         self.symbols = int(symbols)
-        self.sep = self.symbols  # the separator is the last id
-        self.vocab_size = self.symbols + 1
+        self.sep = self.symbols  # ids: symbols 0..S-1, then SEP, then BOS
+        self.bos = self.symbols + 1 if bos else None
+        self.vocab_size = self.symbols + 2
         self.default_length = int(default_length)
 
     def params(self) -> dict:
-        return {"symbols": self.symbols}
+        return {"symbols": self.symbols, "bos": self.bos is not None}
 
     def transform(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, n] -> the expected output [B, n]."""
         raise NotImplementedError
 
     def sequence_length(self, length: int) -> int:
-        return 2 * length
+        return 2 * length + (self.bos is not None)
 
     def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
         if length < 1:
@@ -60,9 +62,12 @@ class TransductionTask(Task):
         device = generator.device
         x = torch.randint(0, self.symbols, (batch_size, length), generator=generator, device=device)  # [B, n]
         sep = torch.full((batch_size, 1), self.sep, dtype=torch.long, device=device)  # [B, 1]
-        seq = torch.cat((x, sep, self.transform(x)), dim=1)  # [B, 2n+1]
-        loss_mask = torch.zeros(batch_size, 2 * length, dtype=torch.bool, device=device)  # [B, 2n]
-        loss_mask[:, length:] = True
+        parts = (x, sep, self.transform(x))
+        if self.bos is not None:
+            parts = (torch.full((batch_size, 1), self.bos, dtype=torch.long, device=device), *parts)
+        seq = torch.cat(parts, dim=1)  # [B, T + 1]
+        loss_mask = torch.zeros(batch_size, seq.shape[1] - 1, dtype=torch.bool, device=device)  # [B, T]
+        loss_mask[:, -length:] = True
         return Batch(inputs=seq[:, :-1], targets=seq[:, 1:], loss_mask=loss_mask)
 
 

@@ -14,19 +14,23 @@ def test_every_task_has_a_solver():
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 @pytest.mark.parametrize("length", [1, 2, 7, 33])
-def test_sequences_are_exact(name, length):
-    task = REGISTRY[name](symbols=10)
+@pytest.mark.parametrize("bos", [True, False])
+def test_sequences_are_exact(name, length, bos):
+    task = REGISTRY[name](symbols=10, bos=bos)
     batch = task.sample(16, length, torch.Generator().manual_seed(0))
     assert batch.inputs.shape == batch.targets.shape == batch.loss_mask.shape == (16, task.sequence_length(length))
+    start = 1 if bos else 0
     for inputs, targets, mask in zip(batch.inputs.tolist(), batch.targets.tolist(), batch.loss_mask.tolist()):
-        x = inputs[:length]
+        if bos:
+            assert inputs[0] == task.bos == 11
+        x = inputs[start:start + length]
         assert all(0 <= s < 10 for s in x)
-        assert inputs[length] == task.sep
+        assert inputs[start + length] == task.sep == 10
         assert targets[:-1] == inputs[1:]  # next-token targets
-        assert mask == [False] * length + [True] * length
+        assert mask == [False] * (start + length) + [True] * length
         scored = [t for t, m in zip(targets, mask) if m]
         assert scored == SOLVERS[name](x)
-        assert task.sep not in scored
+        assert task.sep not in scored and 11 not in scored
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
@@ -45,7 +49,7 @@ def test_bad_length_is_refused():
 
 
 def test_metrics_on_a_hand_made_batch():
-    task = REGISTRY["copy"](symbols=3)
+    task = REGISTRY["copy"](symbols=3, bos=False)
     batch = task.sample(2, 2, torch.Generator().manual_seed(0))
     logits = torch.full((2, 4, task.vocab_size), -10.0)
     logits.scatter_(2, batch.targets[..., None], 10.0)  # every prediction right ...
