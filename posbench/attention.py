@@ -6,7 +6,7 @@
 `eager` materialises the logits and runs every hook (the reference). `sdpa` calls
 PyTorch's scaled_dot_product_attention with the bias folded into a 4-D float mask (the
 layout that keeps the fused CPU kernel) and `is_causal` when there is no bias; it
-refuses encodings with hooks it cannot express.
+refuses encodings with hooks it cannot express. `auto` picks sdpa when it can, else eager.
 """
 from __future__ import annotations
 
@@ -75,9 +75,15 @@ class SdpaBackend(Backend):
 BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (EagerBackend, SdpaBackend)}
 
 
-def get_backend(name: str) -> Backend:
+def get_backend(name: str, encoding: Encoding | None = None) -> Backend:
+    """A backend by name; `auto` takes the fastest one that runs every hook the encoding needs."""
+    if name == "auto":
+        if encoding is None:
+            raise ValueError("backend=auto needs the encoding to choose for")
+        needed = set(encoding.hooks) - {"embed"}
+        name = "sdpa" if needed <= SdpaBackend.supported_hooks else "eager"
     if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; choose one of {sorted(BACKENDS)}")
+        raise ValueError(f"unknown backend {name!r}; choose one of {['auto', *sorted(BACKENDS)]}")
     return BACKENDS[name]()
 
 

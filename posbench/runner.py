@@ -88,6 +88,7 @@ class Built:
     task: Task
     encoding: Encoding
     model: Transformer
+    backend: str  # the backend actually used (backend=auto resolved)
     train_length: int
     lengths: list[int]
 
@@ -111,8 +112,9 @@ def build(cfg: DictConfig, device: torch.device) -> Built:
     torch.manual_seed(cfg.seed)
     encoding = instantiate(cfg.encoding)(dims=dims)
     torch.manual_seed(cfg.seed + 1)  # the model's initialisation must not depend on the encoding's table size
-    model = Transformer(model_cfg, encoding, get_backend(cfg.backend.name)).to(device)
-    return Built(task, encoding, model, train_length, lengths)
+    backend = get_backend(cfg.backend.name, encoding)
+    model = Transformer(model_cfg, encoding, backend).to(device)
+    return Built(task, encoding, model, backend.name, train_length, lengths)
 
 
 def check_choice_value(key: str, value, choices) -> None:
@@ -208,7 +210,7 @@ def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.devi
 def flat_config(cfg: DictConfig, built: Built) -> dict:
     """Flat keys for dashboards (wandb runs table) plus the whole resolved config."""
     return {"encoding": built.encoding.name, "task": built.task.name, "train_length": built.train_length,
-            "seed": int(cfg.seed), "backend": cfg.backend.name, "train_lengths": cfg.train.lengths,
+            "seed": int(cfg.seed), "backend": built.backend, "train_lengths": cfg.train.lengths,
             "steps": int(cfg.train.steps), "d_model": built.model.cfg.d_model,
             "n_layers": built.model.cfg.n_layers, "n_heads": built.model.cfg.n_heads,
             **{f"encoding.{k}": v for k, v in built.encoding.params().items()},
@@ -230,7 +232,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
     base = {
         "run_id": uuid.uuid4().hex[:12], "run_name": run_name, "encoding": built.encoding.name,
         "encoding_params": built.encoding.params(), "task": built.task.name, "task_params": built.task.params(),
-        "model": OmegaConf.to_container(cfg.model), "backend": cfg.backend.name, "seed": int(cfg.seed),
+        "model": OmegaConf.to_container(cfg.model), "backend": built.backend, "seed": int(cfg.seed),
         "train_length": built.train_length, "train_sequence_length": built.task.sequence_length(built.train_length),
         "train_lengths": cfg.train.lengths, "device": str(device), "torch": torch.__version__,
         "git_commit": git_commit(),

@@ -235,6 +235,10 @@ def test_backends_refuse_hooks_they_cannot_run():
         get_backend("sdpa").check(enc)
     get_backend("eager").check(enc)
     assert set(BACKENDS) == {"eager", "sdpa"}
+    assert get_backend("auto", enc).name == "eager"
+    assert get_backend("auto", make_encoding("alibi")).name == "sdpa"
+    with pytest.raises(ValueError, match=r"unknown backend 'flash'.*'auto', 'eager', 'sdpa'"):
+        get_backend("flash")
 
 
 def test_per_sequence_positions_broadcast():

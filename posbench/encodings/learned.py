@@ -22,7 +22,7 @@ class Learned(Encoding):
             raise ValueError(
                 f"learned encoding with policy=error: evaluation needs positions up to {dims.max_positions - 1} "
                 f"but training only reaches {dims.train_positions - 1}; set encoding.policy=random or clamp, "
-                "or lower eval.max_ratio / eval.lengths")
+                "or evaluate shorter lengths (eval.ratios / eval.lengths)")
         self.policy = policy
         self.table = nn.Parameter(torch.randn(dims.max_positions, dims.d_model) * init_std)  # [P, D]
 
