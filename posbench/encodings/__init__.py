@@ -1,13 +1,28 @@
 """The encoding registry: name -> class. Each name has one `configs/encoding/<name>.yaml`."""
 from posbench.encodings.alibi import ALiBi
 from posbench.encodings.base import HOOKS, Encoding, ModelDims
+from posbench.encodings.baselines import Binary, Index, Normalized
+from posbench.encodings.complex_order import ComplexOrder
+from posbench.encodings.deberta import DeBERTa
+from posbench.encodings.fire import FIRE
+from posbench.encodings.floater import Floater
+from posbench.encodings.hierarchical import Hierarchical
+from posbench.encodings.kerple import Kerple
 from posbench.encodings.learned import Learned
 from posbench.encodings.nope import NoPE
 from posbench.encodings.rope import RoPE
+from posbench.encodings.sandwich import Sandwich
+from posbench.encodings.shaw import Shaw
 from posbench.encodings.sinusoidal import Sinusoidal
 from posbench.encodings.t5 import T5
+from posbench.encodings.transformer_xl import TENER, TransformerXL
+from posbench.encodings.xpos import XPos
 
-REGISTRY: dict[str, type[Encoding]] = {cls.name: cls for cls in (NoPE, Sinusoidal, Learned, RoPE, ALiBi, T5)}
+REGISTRY: dict[str, type[Encoding]] = {cls.name: cls for cls in (NoPE, Sinusoidal, Learned, RoPE, ALiBi, T5,
+                                                               Index, Normalized, Binary, Hierarchical,
+                                                               ComplexOrder, Floater,
+                                                               Kerple, FIRE, Sandwich, XPos,
+                                                               Shaw, TransformerXL, TENER, DeBERTa)}
 
 
 def get_encoding(name: str) -> type[Encoding]:

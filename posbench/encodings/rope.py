@@ -1,16 +1,39 @@
-"""Rotary position embedding (Su et al. 2021, RoFormer).
+"""Rotary position embedding (Su et al. 2021, RoFormer), and its evaluation-time scalings.
 
 Feature pairs are rotated by k * theta_m, theta_m = base^(-2m/d). Two named layouts:
 `interleaved` pairs (x_2m, x_2m+1) as in the paper; `half` pairs (x_m, x_m+d/2) as in
 GPT-NeoX / LLaMA. They give the same logits up to a fixed permutation of features.
+
+Scalings (SCALINGS, name -> pure function, in the style of transformers'
+ROPE_INIT_FUNCTIONS) stretch a model trained on N positions to L > N positions at
+evaluation time; each returns (inv_freq [d/2] float64, attention_factor), the factor
+multiplying cos and sin, hence the logits by its square. Scale s = L / N when L > N
+(or a forced `scaling_factor`):
+  none         theta_m unchanged
+  pi           position interpolation (Chen et al. 2023): positions k / s, i.e. theta_m / s
+  ntk          static NTK-aware: base' = base * s^(d/(d-2))
+  dynamic_ntk  NTK base recomputed from the evaluation length, transformers' rule
+               base' = base * (f * L / N - (f - 1))^(d/(d-2)), f = scaling_factor or 1
+  yarn         YaRN (Peng et al. 2023): per pair, a ramp between theta_m / s and theta_m by
+               the number of rotations r = N / wavelength the pair makes within N
+               (beta_slow = 1, beta_fast = 32; ENCODINGS.md's alpha, beta), attention
+               factor 0.1 ln s + 1
+With f = 1 (no forced factor), ntk and dynamic_ntk give the same base at every length,
+since each evaluation runs whole sequences of one length; a forced factor separates them
+(ntk keeps base * f^(d/(d-2)) at every L > N, dynamic_ntk grows from base at L = N).
 """
 from __future__ import annotations
+
+import math
+from typing import Callable
 
 import torch
 
 from posbench.encodings.base import Encoding, ModelDims, check_choice
 
 LAYOUTS = ("half", "interleaved")
+YARN_BETA_FAST = 32.0  # pairs making more rotations than this within N keep theta_m
+YARN_BETA_SLOW = 1.0  # pairs making fewer rotations than this within N are fully interpolated
 
 
 def rope_inv_freq(head_dim: int, base: float = 10000.0) -> torch.Tensor:
@@ -31,23 +54,130 @@ def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, layout: s
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # [B, H, L, d]
 
 
+# --- scalings: (head_dim, base, train_positions, eval_positions, scaling_factor) -> (inv_freq, attention_factor)
+
+ScalingFn = Callable[[int, float, int, int, float | None], tuple[torch.Tensor, float]]
+
+
+def length_scale(train_positions: int, eval_positions: int, scaling_factor: float | None) -> float:
+    """s: the forced factor if given, else L / N when the evaluation is longer than training, else 1."""
+    if scaling_factor is not None:
+        return float(scaling_factor)
+    return max(eval_positions / train_positions, 1.0)
+
+
+def ntk_exponent(head_dim: int) -> float:
+    """d / (d - 2): the power that makes the lowest frequency exactly theta_{d/2-1} / s."""
+    if head_dim <= 2:
+        raise ValueError(f"NTK-aware rope scaling needs a head size above 2 (base' = base * s^(d/(d-2))), "
+                         f"got {head_dim}; use more features per head or another scaling")
+    return head_dim / (head_dim - 2)
+
+
+def no_scaling(head_dim: int, base: float, train_positions: int, eval_positions: int,
+               scaling_factor: float | None = None) -> tuple[torch.Tensor, float]:
+    return rope_inv_freq(head_dim, base), 1.0
+
+
+def position_interpolation(head_dim: int, base: float, train_positions: int, eval_positions: int,
+                           scaling_factor: float | None = None) -> tuple[torch.Tensor, float]:
+    scale = length_scale(train_positions, eval_positions, scaling_factor)
+    return rope_inv_freq(head_dim, base) / scale, 1.0
+
+
+def ntk_aware(head_dim: int, base: float, train_positions: int, eval_positions: int,
+              scaling_factor: float | None = None) -> tuple[torch.Tensor, float]:
+    scale = length_scale(train_positions, eval_positions, scaling_factor)
+    return rope_inv_freq(head_dim, base * scale ** ntk_exponent(head_dim)), 1.0
+
+
+def dynamic_ntk(head_dim: int, base: float, train_positions: int, eval_positions: int,
+                scaling_factor: float | None = None) -> tuple[torch.Tensor, float]:
+    factor = 1.0 if scaling_factor is None else float(scaling_factor)
+    length = max(eval_positions, train_positions)  # within the training length: the trained base
+    growth = factor * length / train_positions - (factor - 1.0)
+    return rope_inv_freq(head_dim, base * growth ** ntk_exponent(head_dim)), 1.0
+
+
+def yarn_pair_index(rotations: float, head_dim: int, base: float, train_positions: int) -> float:
+    """The (fractional) pair index m whose wavelength 2 pi / theta_m fits `rotations` times in N:
+    N theta_m / (2 pi) = rotations  <=>  m = d ln(N / (2 pi rotations)) / (2 ln base)."""
+    return head_dim * math.log(train_positions / (2 * math.pi * rotations)) / (2 * math.log(base))
+
+
+def yarn(head_dim: int, base: float, train_positions: int, eval_positions: int, scaling_factor: float | None = None,
+         beta_fast: float = YARN_BETA_FAST, beta_slow: float = YARN_BETA_SLOW) -> tuple[torch.Tensor, float]:
+    """Pairs up to floor(m(beta_fast)) keep theta_m, pairs from ceil(m(beta_slow)) get theta_m / s,
+    linear in m between (the ramp of YaRN's released code and of transformers; the paper writes
+    the ramp linear in the rotation count r, which agrees outside the ramp)."""
+    scale = length_scale(train_positions, eval_positions, scaling_factor)
+    theta = rope_inv_freq(head_dim, base)  # [d/2]
+    low = max(math.floor(yarn_pair_index(beta_fast, head_dim, base, train_positions)), 0)
+    high = min(math.ceil(yarn_pair_index(beta_slow, head_dim, base, train_positions)), head_dim - 1)
+    if high == low:
+        high += 0.001  # one-pair ramp: avoid 0 / 0, as the reference code
+    interpolated = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)  # [d/2]
+    inv_freq = theta + (theta / scale - theta) * interpolated  # [d/2]; exactly theta when s = 1
+    attention_factor = 0.1 * math.log(scale) + 1.0 if scale > 1 else 1.0
+    return inv_freq, attention_factor
+
+
+SCALINGS: dict[str, ScalingFn] = {
+    "none": no_scaling,
+    "pi": position_interpolation,
+    "ntk": ntk_aware,
+    "dynamic_ntk": dynamic_ntk,
+    "yarn": yarn,
+}
+
+
 class RoPE(Encoding):
+    """scaling: applied by set_eval_length for evaluation lengths beyond the training length only;
+    training and evaluation within the training length use the unscaled frequencies.
+    scaling_factor: forces s for pi / ntk / yarn (instead of L / N) at every evaluation length
+    beyond training; for dynamic_ntk it is transformers' `factor` f (default 1)."""
+
     name = "rope"
     hooks = frozenset({"qk"})
     relative = True
 
-    def __init__(self, dims: ModelDims, base: float = 10000.0, layout: str = "half"):
+    def __init__(self, dims: ModelDims, base: float = 10000.0, layout: str = "half", scaling: str = "none",
+                 scaling_factor: float | None = None):
         super().__init__(dims)
         check_choice("rope", "layout", layout, LAYOUTS)
+        check_choice("rope", "scaling", scaling, SCALINGS)
         if dims.head_dim % 2:
             raise ValueError(f"rope rotates feature pairs and needs an even head size, got "
                              f"model.d_model / model.n_heads = {dims.d_model}/{dims.n_heads} = {dims.head_dim}; "
                              "change model.d_model or model.n_heads")
-        self.base, self.layout = float(base), layout
+        if scaling_factor is not None and scaling == "none":
+            raise ValueError(f"rope: scaling_factor={scaling_factor} has no effect with scaling=none; "
+                             f"choose a scaling among {[s for s in SCALINGS if s != 'none']} or drop the factor")
+        if scaling_factor is not None and not scaling_factor >= 1:
+            raise ValueError(f"rope: scaling_factor={scaling_factor} must be >= 1 (it stretches positions)")
+        self.base, self.layout, self.scaling = float(base), layout, scaling
+        self.scaling_factor = None if scaling_factor is None else float(scaling_factor)
+        SCALINGS[scaling](dims.head_dim, self.base, 1, 2, self.scaling_factor)  # a bad setting fails before training
         self.register_buffer("inv_freq", rope_inv_freq(dims.head_dim, self.base), persistent=False)
+        self.attention_factor = 1.0
 
     def params(self) -> dict:
-        return {"base": self.base, "layout": self.layout}
+        return {"base": self.base, "layout": self.layout, "scaling": self.scaling,
+                "scaling_factor": self.scaling_factor}
+
+    def set_eval_length(self, train_positions: int, eval_positions: int) -> None:
+        scaling = self.scaling if eval_positions > train_positions else "none"
+        inv_freq, self.attention_factor = SCALINGS[scaling](self.dims.head_dim, self.base, train_positions,
+                                                            eval_positions, self.scaling_factor)
+        self.inv_freq = inv_freq.to(device=self.inv_freq.device, dtype=self.inv_freq.dtype)
+
+    def train(self, mode: bool = True):
+        if mode:  # training always sees the unscaled frequencies, even after an evaluation
+            self.set_eval_length(1, 1)
+        return super().train(mode)
 
     def qk(self, q, k, q_pos, k_pos, layer):
-        return rotate(q, q_pos, self.inv_freq, self.layout), rotate(k, k_pos, self.inv_freq, self.layout)
+        q, k = rotate(q, q_pos, self.inv_freq, self.layout), rotate(k, k_pos, self.inv_freq, self.layout)
+        if self.attention_factor != 1.0:  # YaRN: cos and sin scaled, so the logits by its square
+            q, k = q * self.attention_factor, k * self.attention_factor
+        return q, k

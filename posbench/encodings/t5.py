@@ -1,5 +1,13 @@
 """T5 relative bias (Raffel et al. 2020): a learned scalar per head per bucket of j - i,
-shared by all layers as in T5."""
+shared by all layers as in T5.
+
+`bucketed: false` is the unbucketed variant of the background articles (000: one entry per
+|i - j|; 004: one entry per signed offset): one learned entry per offset i - j, no log
+buckets. Offsets are clipped into the table, never looked up past it: to
+[-max_distance, max_distance] with bidirectional buckets (2 * max_distance + 1 entries), to
+[0, max_distance] without (max_distance + 1 entries; keys after the query share entry 0, as
+they share bucket 0 in the bucketed rule). num_buckets is unused then.
+"""
 from __future__ import annotations
 
 import math
@@ -41,20 +49,36 @@ class T5(Encoding):
     relative = True
 
     def __init__(self, dims: ModelDims, num_buckets: int = 32, max_distance: int = 128,
-                 bidirectional: bool | None = None):
+                 bidirectional: bool | None = None, bucketed: bool = True):
         super().__init__(dims)
         self.num_buckets, self.max_distance = int(num_buckets), int(max_distance)
         self.bidirectional = (not dims.causal) if bidirectional is None else bool(bidirectional)
-        if self.num_buckets < (4 if self.bidirectional else 2):
-            raise ValueError(f"t5: num_buckets={num_buckets} is too small; use at least 4 (bidirectional) or 2")
-        self.table = nn.Embedding(self.num_buckets, dims.n_heads)  # [buckets, H]
+        self.bucketed = bool(bucketed)
+        if self.bucketed:
+            if self.num_buckets < (4 if self.bidirectional else 2):
+                raise ValueError(f"t5: num_buckets={num_buckets} is too small; use at least 4 (bidirectional) or 2")
+            entries = self.num_buckets
+        else:
+            if self.max_distance < 1:
+                raise ValueError(f"t5: max_distance={max_distance} must be >= 1 with bucketed=false")
+            entries = 2 * self.max_distance + 1 if self.bidirectional else self.max_distance + 1
+        self.table = nn.Embedding(entries, dims.n_heads)  # [entries, H]
         nn.init.zeros_(self.table.weight)
 
     def params(self) -> dict:
-        return {"num_buckets": self.num_buckets, "max_distance": self.max_distance,
-                "bidirectional": self.bidirectional}
+        return {"num_buckets": self.num_buckets if self.bucketed else None, "max_distance": self.max_distance,
+                "bidirectional": self.bidirectional, "bucketed": self.bucketed}
+
+    def offset_index(self, distance: torch.Tensor) -> torch.Tensor:
+        """Unbucketed table row for distance = i - j, clipped into the table: any shape -> same shape, long."""
+        if self.bidirectional:
+            return distance.clamp(-self.max_distance, self.max_distance) + self.max_distance
+        return distance.clamp(0, self.max_distance)
 
     def bias(self, q_pos, k_pos, layer):
         relative = k_pos[:, None, :] - q_pos[:, :, None]  # [B', Lq, Lk]
-        buckets = t5_bucket(relative, self.bidirectional, self.num_buckets, self.max_distance)
-        return self.table(buckets).permute(0, 3, 1, 2)  # [B', H, Lq, Lk]
+        if self.bucketed:
+            rows = t5_bucket(relative, self.bidirectional, self.num_buckets, self.max_distance)
+        else:
+            rows = self.offset_index(-relative.long())
+        return self.table(rows).permute(0, 3, 1, 2)  # [B', H, Lq, Lk]

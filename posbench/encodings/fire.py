@@ -1,0 +1,67 @@
+"""FIRE (Li et al. ICLR 2024, "Functional Interpolation for Relative Positions Improves Long
+Context Transformers"): a small MLP of the progressively normalised distance.
+
+    b(i, j) = f(psi(|i - j|) / psi(max(L, i))),   psi(x) = log(c * x + 1)
+
+f: Linear(1, width) -> ReLU -> Linear(width, H), one output per head. c and L are learned.
+Details from the paper's PyTorch listing: c starts at 0.1 and enters as |c|; L is a fixed
+initial value times a learned multiplier (starting at 1), used as |multiplier * L|, so that
+it moves in relative steps; 1e-6 is added to the normaliser; the distance enters as |i - j|
+(keys after the query, used by bidirectional models, mirror the ones before it); the MLP
+keeps nn.Linear's default initialisation. Each layer has its own FIRE (the paper calls the
+variant shared across layers FIRE-S: `share_layers`).
+
+Not shift invariant (`relative = False`): the normaliser psi(max(L, i)) depends on the query
+position i itself, so shifting every position changes the bias once i exceeds L. Below L
+the normaliser is the constant psi(L) and the bias depends on i - j only. i and j are the
+position ids passed in, so shifted or randomized positions change the normaliser too.
+
+The paper initialises L to 512 for 2048-token training, a quarter of the training length;
+`init_threshold: null` keeps that ratio to this run's training positions.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from posbench.encodings.base import Encoding, ModelDims, relative_distance
+
+NORMALISER_EPS = 1e-6
+
+
+class FIRE(Encoding):
+    name = "fire"
+    hooks = frozenset({"bias"})
+    relative = False  # the normaliser depends on the query position i (see the module docstring)
+
+    def __init__(self, dims: ModelDims, mlp_width: int = 32, init_c: float = 0.1,
+                 init_threshold: float | None = None, share_layers: bool = False):
+        super().__init__(dims)
+        if int(mlp_width) < 1:
+            raise ValueError(f"fire: mlp_width={mlp_width} must be >= 1")
+        if init_threshold is None:
+            init_threshold = max(1.0, dims.train_positions / 4)
+        if float(init_threshold) <= 0 or float(init_c) <= 0:
+            raise ValueError(f"fire: init_threshold={init_threshold} and init_c={init_c} must both be > 0")
+        self.mlp_width, self.init_c, self.init_threshold = int(mlp_width), float(init_c), float(init_threshold)
+        self.share_layers = bool(share_layers)
+        copies = 1 if self.share_layers else dims.n_layers
+        self.mlps = nn.ModuleList(
+            nn.Sequential(nn.Linear(1, self.mlp_width), nn.ReLU(), nn.Linear(self.mlp_width, dims.n_heads))
+            for _ in range(copies))
+        self.c = nn.Parameter(torch.full((copies,), self.init_c))  # [copies]
+        self.threshold_scale = nn.Parameter(torch.ones(copies))  # [copies]; L = |scale * init_threshold|
+
+    def params(self) -> dict:
+        return {"mlp_width": self.mlp_width, "init_c": self.init_c, "init_threshold": self.init_threshold,
+                "share_layers": self.share_layers}
+
+    def bias(self, q_pos, k_pos, layer):
+        copy = 0 if self.share_layers else layer
+        c = self.c[copy].abs()
+        threshold = (self.threshold_scale[copy] * self.init_threshold).abs()
+        distance = relative_distance(q_pos, k_pos).abs().to(c.dtype)  # [B', Lq, Lk]
+        normaliser = torch.log1p(c * torch.maximum(q_pos.to(c.dtype), threshold)) + NORMALISER_EPS  # [B', Lq]
+        normalised = torch.log1p(c * distance) / normaliser[:, :, None]  # [B', Lq, Lk]
+        # the MLP's hidden layer is [B', Lq, Lk, width]: the size of the logits for `width` heads
+        return self.mlps[copy](normalised[..., None]).permute(0, 3, 1, 2)  # [B', H, Lq, Lk]
