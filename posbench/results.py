@@ -15,7 +15,7 @@ METRIC_LABELS = {"exact_match": "exact-match accuracy", "token_acc": "token accu
 # Every row carries these keys (metrics may be None for a length that was not measured).
 SCHEMA = (
     "run_id", "run_name", "status", "encoding", "encoding_params", "task", "task_params", "model",
-    "backend", "seed", "train_length", "train_sequence_length", "train_lengths", "train_steps", "train_seconds",
+    "backend", "seed", "train_length", "train_sequence_length", "train_lengths", "positions", "max_position", "train_steps", "train_seconds",
     "eval_length", "eval_sequence_length", "ratio", "samples", *METRICS,
     "train_tokens_per_s", "eval_tokens_per_s", "peak_mem_mb", "mem_kind", "device", "torch",
     "git_commit", "time",

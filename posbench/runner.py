@@ -21,6 +21,7 @@ from posbench.attention import get_backend
 from posbench.encodings.base import Encoding, ModelDims
 from posbench.loggers import build_logger
 from posbench.model import ModelConfig, Transformer
+from posbench.positions import PositionScheme
 from posbench.results import RowWriter, plot_run
 from tasks.base import Task, batch_metrics, finalize_metrics
 
@@ -79,15 +80,12 @@ def peak_memory_mb(device: torch.device) -> tuple[float, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "process_peak_rss"
 
 
-def positions(length: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(length, device=device)[None]  # [1, L]
-
-
 @dataclass
 class Built:
     task: Task
     encoding: Encoding
     model: Transformer
+    positions: PositionScheme
     backend: str  # the backend actually used (backend=auto resolved)
     train_length: int
     lengths: list[int]
@@ -101,20 +99,24 @@ def build(cfg: DictConfig, device: torch.device) -> Built:
     if train_length < 1:
         raise ValueError(f"train.length={train_length}: must be >= 1")
     lengths = eval_lengths(cfg.eval, train_length)
+    longest = max(task.sequence_length(n) for n in [train_length, *lengths])
+    positions = PositionScheme(cfg.train.positions, cfg.train.max_position or longest)
+    positions.check(longest)
     model_cfg = ModelConfig(vocab_size=task.vocab_size, **OmegaConf.to_container(cfg.model))
     if model_cfg.d_model % model_cfg.n_heads:
         raise ValueError(f"model.d_model={model_cfg.d_model} is not divisible by model.n_heads="
                          f"{model_cfg.n_heads}; pick sizes with d_model % n_heads == 0")
     dims = ModelDims(d_model=model_cfg.d_model, n_heads=model_cfg.n_heads, n_layers=model_cfg.n_layers,
-                     max_positions=max(task.sequence_length(n) for n in [train_length, *lengths]),
-                     train_positions=task.sequence_length(train_length), causal=model_cfg.causal,
+                     max_positions=positions.max_position,
+                     train_positions=positions.max_position if positions.scheme != "sequential"
+                     else task.sequence_length(train_length), causal=model_cfg.causal,
                      vocab_size=task.vocab_size)
     torch.manual_seed(cfg.seed)
     encoding = instantiate(cfg.encoding)(dims=dims)
     torch.manual_seed(cfg.seed + 1)  # the model's initialisation must not depend on the encoding's table size
     backend = get_backend(cfg.backend.name, encoding)
     model = Transformer(model_cfg, encoding, backend).to(device)
-    return Built(task, encoding, model, backend.name, train_length, lengths)
+    return Built(task, encoding, model, positions, backend.name, train_length, lengths)
 
 
 def check_choice_value(key: str, value, choices) -> None:
@@ -147,7 +149,7 @@ def train(built: Built, cfg: DictConfig, device: torch.device, logger) -> dict:
         batch = task.sample(cfg_train.batch_size, length, data_gen)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, cfg_train)
-        logits = model(batch.inputs, positions(batch.inputs.shape[1], device))  # [B, T, V]
+        logits = model(batch.inputs, built.positions(batch.inputs.shape[1], data_gen))  # [B, T, V]
         sums = batch_metrics(logits, batch)
         loss = sums["loss_sum"] / sums["tokens"]
         optimizer.zero_grad(set_to_none=True)
@@ -191,7 +193,7 @@ def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.devi
         sync(device)
         start = time.perf_counter()
         batch = task.sample(size, length, gen)
-        logits = model(batch.inputs, positions(batch.inputs.shape[1], device))  # [B, T, V]
+        logits = model(batch.inputs, built.positions(batch.inputs.shape[1], gen))  # [B, T, V]
         sums = batch_metrics(logits, batch)
         sync(device)
         if done:  # the first batch is warm-up
@@ -211,6 +213,7 @@ def flat_config(cfg: DictConfig, built: Built) -> dict:
     """Flat keys for dashboards (wandb runs table) plus the whole resolved config."""
     return {"encoding": built.encoding.name, "task": built.task.name, "train_length": built.train_length,
             "seed": int(cfg.seed), "backend": built.backend, "train_lengths": cfg.train.lengths,
+            "positions": built.positions.scheme, "max_position": built.positions.max_position,
             "steps": int(cfg.train.steps), "d_model": built.model.cfg.d_model,
             "n_layers": built.model.cfg.n_layers, "n_heads": built.model.cfg.n_heads,
             **{f"encoding.{k}": v for k, v in built.encoding.params().items()},
@@ -234,7 +237,8 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
         "encoding_params": built.encoding.params(), "task": built.task.name, "task_params": built.task.params(),
         "model": OmegaConf.to_container(cfg.model), "backend": built.backend, "seed": int(cfg.seed),
         "train_length": built.train_length, "train_sequence_length": built.task.sequence_length(built.train_length),
-        "train_lengths": cfg.train.lengths, "device": str(device), "torch": torch.__version__,
+        "train_lengths": cfg.train.lengths, "positions": built.positions.scheme,
+        "max_position": built.positions.max_position, "device": str(device), "torch": torch.__version__,
         "git_commit": git_commit(),
     }
     n_params = sum(p.numel() for p in built.model.parameters())

@@ -110,3 +110,10 @@ def test_divergence_stops_cleanly_and_is_recorded(tmp_path):
     assert all(r["exact_match"] is None for r in rows)
     assert rows[0]["train_steps"] < 20
     assert "training diverged at step" in result.stdout
+
+
+def test_randomized_positions_run_records_the_scheme(tmp_path):
+    posbench("experiment=smoke", "encoding=learned", "train.positions=randomized", "train.max_position=256",
+             f"hydra.run.dir={tmp_path}")
+    rows = read_rows(tmp_path)
+    assert {(r["positions"], r["max_position"], r["status"]) for r in rows} == {("randomized", 256, "ok")}
