@@ -23,7 +23,7 @@ from posbench.loggers import build_logger
 from posbench.model import ModelConfig, Transformer
 from posbench.positions import PositionScheme
 from posbench.results import RowWriter, plot_run
-from tasks.base import Task, batch_metrics, finalize_metrics
+from tasks.base import Task
 
 TRAIN_LENGTH_MODES = ("uniform", "fixed")
 TIMING_WARMUP_STEPS = 10
@@ -150,7 +150,7 @@ def train(built: Built, cfg: DictConfig, device: torch.device, logger) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, cfg_train)
         logits = model(batch.inputs, built.positions(batch.inputs.shape[1], data_gen))  # [B, T, V]
-        sums = batch_metrics(logits, batch)
+        sums = task.batch_sums(logits, batch)
         loss = sums["loss_sum"] / sums["tokens"]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -187,25 +187,30 @@ def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.devi
         torch.cuda.reset_peak_memory_stats(device)
     gen = torch.Generator(device).manual_seed(int(cfg_eval.seed) + length)
     totals: dict[str, float] = {}
-    timed_tokens, timed_seconds, done = 0, 0.0, 0
-    while done < cfg_eval.samples:
-        size = min(cfg_eval.batch_size, cfg_eval.samples - done)
+    timed_tokens, timed_seconds, first = 0, 0.0, None
+    batches = task.eval_batches(length, int(cfg_eval.samples), int(cfg_eval.batch_size), gen)
+    while True:
         sync(device)
         start = time.perf_counter()
-        batch = task.sample(size, length, gen)
+        batch = next(batches, None)
+        if batch is None:
+            break
         logits = model(batch.inputs, built.positions(batch.inputs.shape[1], gen))  # [B, T, V]
-        sums = batch_metrics(logits, batch)
+        sums = task.batch_sums(logits, batch)
         sync(device)
-        if done:  # the first batch is warm-up
+        if first is None:  # the first batch is warm-up; kept only if it is the only one
+            first = (batch.inputs.numel(), time.perf_counter() - start)
+        else:
             timed_tokens += batch.inputs.numel()
             timed_seconds += time.perf_counter() - start
-        elif size == cfg_eval.samples:  # a single batch: time it anyway
-            timed_tokens, timed_seconds = batch.inputs.numel(), time.perf_counter() - start
         for key, value in sums.items():
             totals[key] = totals.get(key, 0.0) + float(value)
-        done += size
+    if first is None:
+        raise ValueError(f"{task.name}: no evaluation batches at length {length}")
+    if not timed_seconds:
+        timed_tokens, timed_seconds = first
     peak, kind = peak_memory_mb(device)
-    return {**finalize_metrics(totals), "eval_tokens_per_s": timed_tokens / timed_seconds,
+    return {**task.finalize(totals), "eval_tokens_per_s": timed_tokens / timed_seconds,
             "peak_mem_mb": peak, "mem_kind": kind}
 
 
@@ -275,16 +280,21 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
     return rows
 
 
+TABLE_METRICS = ("exact_match", "token_acc", "loss", "perplexity", "bits_per_byte")
+
+
 def print_table(rows: list[dict], trained: dict) -> None:
     speed = trained["tokens_per_s"]
     print(f"\nstatus {trained['status']}; {trained['steps']} training steps in {trained['seconds']:.0f} s"
           + (f"; train {speed:,.0f} tokens/s" if speed else ""))
-    header = f"{'length':>7} {'ratio':>6} {'exact':>7} {'token_acc':>9} {'loss':>8} {'eval tok/s':>11}"
+    measured = [r for r in rows if r["status"] == "ok"]
+    metrics = [m for m in TABLE_METRICS if measured and measured[0].get(m) is not None]
+    header = f"{'length':>7} {'ratio':>6} " + " ".join(f"{m:>11}" for m in metrics) + f" {'eval tok/s':>11}"
     print(header)
     print("-" * len(header))
     for r in rows:
-        if r["exact_match"] is None:
-            print(f"{r['eval_length']:>7} {r['ratio']:>6.2f} {r['status']:>7}")
+        if r["status"] != "ok":
+            print(f"{r['eval_length']:>7} {r['ratio']:>6.2f} {r['status']}")
             continue
-        print(f"{r['eval_length']:>7} {r['ratio']:>6.2f} {r['exact_match']:>7.3f} {r['token_acc']:>9.3f} "
-              f"{r['loss']:>8.3f} {r['eval_tokens_per_s']:>11,.0f}")
+        values = " ".join(f"{r[m]:>11.4f}" for m in metrics)
+        print(f"{r['eval_length']:>7} {r['ratio']:>6.2f} {values} {r['eval_tokens_per_s']:>11,.0f}")

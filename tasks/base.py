@@ -5,6 +5,7 @@ symbols); `sequence_length(length)` is the number of tokens the model actually s
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -19,15 +20,36 @@ class Batch:
 
 
 class Task:
+    """Subclasses implement `sequence_length` and `sample`; evaluation may override
+    `eval_batches` (e.g. windows over a fixed corpus), `batch_sums` and `finalize`."""
+
     name: str = ""
     vocab_size: int = 0
     default_length: int = 16
+
+    def params(self) -> dict:
+        return {}
 
     def sequence_length(self, length: int) -> int:
         raise NotImplementedError
 
     def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
         raise NotImplementedError
+
+    def eval_batches(self, length: int, samples: int, batch_size: int,
+                     generator: torch.Generator) -> Iterator[Batch]:
+        """The evaluation set at one length: `samples` fresh sequences by default."""
+        done = 0
+        while done < samples:
+            size = min(batch_size, samples - done)
+            yield self.sample(size, length, generator)
+            done += size
+
+    def batch_sums(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+        return batch_metrics(logits, batch)
+
+    def finalize(self, sums: dict[str, float]) -> dict[str, float]:
+        return finalize_metrics(sums)
 
 
 class TransductionTask(Task):

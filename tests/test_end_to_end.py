@@ -41,7 +41,7 @@ def test_single_run_writes_rows_config_and_curve(tmp_path):
     checkpoint = torch.load(tmp_path / "checkpoint.pt")
     assert checkpoint["config"]["task"]["_target_"] == "tasks.sort.Sort"
     assert checkpoint["model"]["tok.weight"].shape == (12, 16)  # 10 symbols, SEP, BOS
-    assert "token_acc" in result.stdout and "eval tok/s" in result.stdout
+    assert "token_acc" in result.stdout and "exact_match" in result.stdout and "eval tok/s" in result.stdout
 
 
 def test_multirun_and_report(tmp_path):
