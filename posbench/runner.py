@@ -275,6 +275,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
         rows.append(row)
     curve = run_dir / "curve.png"
     plot_run(rows, curve)
+    built.task.write_figures(rows, run_dir)
     print_table(rows, trained)
     logger.finish(rows, curve, trained["status"])
     return rows

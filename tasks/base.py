@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,10 @@ class Task:
 
     def finalize(self, sums: dict[str, float]) -> dict[str, float]:
         return finalize_metrics(sums)
+
+    def write_figures(self, rows: list[dict], run_dir: Path) -> list[Path]:
+        """Task-specific figures beside the run's curve.png; returns the files written."""
+        return []
 
 
 class TransductionTask(Task):
