@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from posbench.results import METRICS, collect, plot_comparison
+from posbench.results import METRIC_LABELS, collect, plot_comparison
 
 
 def summarize(frame):
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(prog="python -m posbench.report", description=__doc__)
     parser.add_argument("paths", nargs="+", help="run or sweep directories (searched for results.jsonl)")
     parser.add_argument("--out", help="output directory (default: the first path)")
-    parser.add_argument("--metric", default="exact_match", choices=METRICS, help="metric plotted")
+    parser.add_argument("--metric", default="exact_match", choices=sorted(METRIC_LABELS), help="metric plotted")
     args = parser.parse_args(argv)
     frame = collect(args.paths)
     out = Path(args.out or args.paths[0])

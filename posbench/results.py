@@ -11,7 +11,9 @@ from pathlib import Path
 
 ROW_FILE = "results.jsonl"
 METRICS = ("exact_match", "token_acc", "loss")
-METRIC_LABELS = {"exact_match": "exact-match accuracy", "token_acc": "token accuracy", "loss": "loss"}
+METRIC_LABELS = {"exact_match": "exact-match accuracy", "token_acc": "token accuracy", "loss": "loss",
+                 "perplexity": "perplexity", "bits_per_byte": "bits per byte"}
+PLOT_METRICS = ("exact_match", "perplexity", "token_acc", "loss")  # a run's curve shows the first two it has
 # Every row carries these keys (metrics may be None for a length that was not measured).
 SCHEMA = (
     "run_id", "run_name", "status", "encoding", "encoding_params", "task", "task_params", "model",
@@ -80,16 +82,18 @@ def collect(paths):
 
 
 def plot_run(rows: list[dict], path: str | Path) -> None:
-    """The extrapolation curve of one run: exact match and token accuracy against eval/train ratio."""
+    """The extrapolation curve of one run: its two main metrics against eval/train ratio."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    done = [r for r in rows if r["exact_match"] is not None]
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), constrained_layout=True)
+    done = [r for r in rows if r["status"] == "ok"]
+    metrics = [m for m in PLOT_METRICS if any(r.get(m) is not None for r in done)][:2] or ["exact_match"]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.4), squeeze=False,
+                             constrained_layout=True)
     first = rows[0]
-    for ax, metric in zip(axes, ("exact_match", "token_acc")):
+    for ax, metric in zip(axes[0], metrics):
         ax.plot([r["ratio"] for r in done], [r[metric] for r in done], marker="o")
         _decorate(ax, metric, first["train_length"])
     fig.suptitle(f"{first['encoding']} on {first['task']} (seed {first['seed']}, status {first['status']})")
@@ -127,6 +131,8 @@ def _decorate(ax, metric: str, train_length) -> None:
     ax.text(1.0, 0.02, f" train N={train_length}", color="grey", fontsize=8, transform=ax.get_xaxis_transform())
     ax.set_xlabel("evaluation length / training length")
     ax.set_ylabel(METRIC_LABELS[metric])
-    if metric != "loss":
+    if metric in ("exact_match", "token_acc"):
         ax.set_ylim(-0.03, 1.03)
+    elif metric == "perplexity":
+        ax.set_yscale("log")
     ax.grid(alpha=0.3)
