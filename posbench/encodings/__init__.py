@@ -3,6 +3,7 @@ from posbench.encodings.alibi import ALiBi
 from posbench.encodings.base import HOOKS, Encoding, ModelDims
 from posbench.encodings.baselines import Binary, Index, Normalized
 from posbench.encodings.complex_order import ComplexOrder
+from posbench.encodings.composite import Composite
 from posbench.encodings.deberta import DeBERTa
 from posbench.encodings.fire import FIRE
 from posbench.encodings.floater import Floater
@@ -22,7 +23,7 @@ REGISTRY: dict[str, type[Encoding]] = {cls.name: cls for cls in (NoPE, Sinusoida
                                                                Index, Normalized, Binary, Hierarchical,
                                                                ComplexOrder, Floater,
                                                                Kerple, FIRE, Sandwich, XPos,
-                                                               Shaw, TransformerXL, TENER, DeBERTa)}
+                                                               Shaw, TransformerXL, TENER, DeBERTa, Composite)}
 
 
 def get_encoding(name: str) -> type[Encoding]:

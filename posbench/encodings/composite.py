@@ -1,0 +1,168 @@
+"""Composite (hybrid) encodings: the hooks of several registered encodings applied together
+(article 004's hybrids, e.g. rope + t5 bias, learned + alibi), with no change to the model.
+
+Parts are registry names built with the composite's ModelDims, each with optional
+parameters: `parts=[rope, t5]`, `part_params={t5: {num_buckets: 16}}`. A name appears at
+most once (its parameters are keyed by name), and a composite cannot be a part.
+
+How the parts' hooks combine, in the fixed order of posbench.attention (the parts' order
+is the order of `parts`):
+  embed        one part: its own. Several: `embed_rule=error` (default) refuses them;
+               `embed_rule=sum` adds each part's position vector to the token embedding,
+               x + p_1 + p_2 + ... (each part's embed applied in turn). A part that
+               replaces the token embedding instead of adding to it (complex_order,
+               params()["replaces_token_embedding"]) cannot be summed and is refused.
+  qk           at most one part may own it: two rotations (rope + xpos) do not commute in
+               general, so their product would depend on the order; refused.
+  bias         summed.
+  key_term     summed.
+  value_term   summed.
+  prob         applied in sequence, each part's modulation multiplying the previous output.
+  logit_scale  the default 1/sqrt(d) unless a part overrides it (tener 1, deberta
+               1/sqrt(3d)): one override, or several agreeing ones, win; two different
+               overrides are refused.
+  set_eval_length  forwarded to every part.
+`hooks` is the union of the parts' hooks; `relative` holds only if every part is relative
+(a part with no hooks, nope, counts as relative). The class attributes describe the
+default parts [rope, t5], which the generic registry tests build; each instance sets its own.
+"""
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+
+from posbench.encodings.base import Encoding, ModelDims, check_choice
+
+EMBED_RULES = ("error", "sum")
+DEFAULT_PARTS = ("rope", "t5")
+
+
+class Composite(Encoding):
+    name = "composite"
+    hooks = frozenset({"qk", "bias"})  # those of DEFAULT_PARTS; instances set the union of their parts'
+    relative = True  # DEFAULT_PARTS are both relative; instances set their own
+
+    def __init__(self, dims: ModelDims, parts=DEFAULT_PARTS, part_params=None, embed_rule: str = "error"):
+        super().__init__(dims)
+        from posbench.encodings import REGISTRY  # lazily: the registry imports this module
+
+        check_choice("composite", "embed_rule", embed_rule, EMBED_RULES)
+        names = parse_parts(parts, REGISTRY)
+        params_by_name = parse_part_params(part_params, names)
+        self.embed_rule = embed_rule
+        self.parts = nn.ModuleList(build_part(REGISTRY[name], name, dims, params_by_name.get(name, {}))
+                                   for name in names)
+        self.hooks = frozenset().union(*(part.hooks for part in self.parts))
+        self.relative = all(part.relative or not part.hooks for part in self.parts)
+        self.check_single_owners()
+        self.logit_scale(dims.head_dim)  # conflicting overrides fail before training
+
+    def check_single_owners(self) -> None:
+        embedders = self.parts_with("embed")
+        if len(embedders) > 1:
+            names = [part.name for part in embedders]
+            if self.embed_rule == "error":
+                raise ValueError(f"composite: parts {names} all have an embed hook; set encoding.embed_rule=sum to "
+                                 "add their position vectors to the token embedding, or keep one of them")
+            replacing = [part.name for part in embedders if part.params().get("replaces_token_embedding")]
+            if replacing:
+                raise ValueError(f"composite: embed_rule=sum cannot add {replacing} to {names}: it replaces the "
+                                 "token embedding instead of adding a position vector; keep it as the only "
+                                 "embedding part")
+        rotators = self.parts_with("qk")
+        if len(rotators) > 1:
+            raise ValueError(f"composite: parts {[part.name for part in rotators]} all transform q and k (qk hook); "
+                             "at most one part may own it, since two position-dependent transforms do not "
+                             "commute in general; keep one of them")
+
+    def parts_with(self, hook: str) -> list[Encoding]:
+        return [part for part in self.parts if hook in part.hooks]
+
+    def params(self) -> dict:
+        return {"parts": [part.name for part in self.parts], "embed_rule": self.embed_rule,
+                **{part.name: part.params() for part in self.parts}}
+
+    def set_eval_length(self, train_positions: int, eval_positions: int) -> None:
+        for part in self.parts:
+            part.set_eval_length(train_positions, eval_positions)
+
+    def logit_scale(self, head_dim: int) -> float:
+        overrides = {part.name: part.logit_scale(head_dim) for part in self.parts
+                     if type(part).logit_scale is not Encoding.logit_scale}
+        if len(set(overrides.values())) > 1:
+            raise ValueError(f"composite: parts disagree on the logit scale {overrides} (head size {head_dim}); "
+                             "combine parts that keep the same scale")
+        return next(iter(overrides.values()), super().logit_scale(head_dim))
+
+    def embed(self, x, pos, ids):
+        for part in self.parts_with("embed"):  # additive parts: x + p_1 + p_2 + ...
+            x = part.embed(x, pos, ids)  # [B, L, D]
+        return x
+
+    def qk(self, q, k, q_pos, k_pos, layer):
+        for part in self.parts_with("qk"):  # at most one (checked at construction)
+            q, k = part.qk(q, k, q_pos, k_pos, layer)
+        return q, k
+
+    def bias(self, q_pos, k_pos, layer):
+        return sum_terms(part.bias(q_pos, k_pos, layer) for part in self.parts_with("bias"))  # [B', H, Lq, Lk]
+
+    def key_term(self, q, k, q_pos, k_pos, layer):
+        return sum_terms(part.key_term(q, k, q_pos, k_pos, layer)
+                         for part in self.parts_with("key_term"))  # [B, H, Lq, Lk]
+
+    def prob(self, p, q_pos, k_pos, layer):
+        for part in self.parts_with("prob"):
+            p = part.prob(p, q_pos, k_pos, layer)  # [B, H, Lq, Lk]
+        return p
+
+    def value_term(self, p, q_pos, k_pos, layer):
+        return sum_terms(part.value_term(p, q_pos, k_pos, layer)
+                         for part in self.parts_with("value_term"))  # [B, H, Lq, d]
+
+
+def sum_terms(terms):
+    """The sum of the terms that are not None (broadcasting), or None when all are."""
+    total = None
+    for term in terms:
+        if term is not None:
+            total = term if total is None else total + term
+    return total
+
+
+def parse_parts(parts, registry: dict) -> list[str]:
+    if isinstance(parts, str) or not parts:
+        raise ValueError(f"composite: parts={parts!r} must be a non-empty list of encoding names, "
+                         "e.g. encoding.parts=[rope,t5]")
+    names = [str(name) for name in parts]
+    choices = sorted(set(registry) - {Composite.name})
+    for name in names:
+        if name == Composite.name:
+            raise ValueError("composite: a composite cannot be a part of a composite; list its parts directly")
+        if name not in registry:
+            raise ValueError(f"composite: unknown part {name!r}; registered encodings: {choices}")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"composite: parts {repeated} appear more than once; each part may appear once "
+                         "(its parameters are keyed by name)")
+    return names
+
+
+def parse_part_params(part_params, names: list[str]) -> dict[str, dict]:
+    """{name: {param: value}} (None for no parameters) -> plain dicts, keys checked against parts."""
+    params_by_name = {str(name): dict(values or {}) for name, values in (part_params or {}).items()}
+    stray = sorted(set(params_by_name) - set(names))
+    if stray:
+        raise ValueError(f"composite: part_params names {stray}, which are not among parts={names}")
+    return params_by_name
+
+
+def build_part(cls: type[Encoding], name: str, dims: ModelDims, params: dict) -> Encoding:
+    signature = inspect.signature(cls.__init__).parameters
+    accepted = [key for key in signature if key not in ("self", "dims")]
+    takes_any = any(arg.kind is inspect.Parameter.VAR_KEYWORD for arg in signature.values())
+    unknown = sorted(set(params) - set(accepted))
+    if unknown and not takes_any:
+        raise ValueError(f"composite: part {name} has no parameter(s) {unknown}; its parameters: {accepted}")
+    return cls(dims, **params)

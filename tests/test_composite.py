@@ -1,0 +1,226 @@
+"""Composite encodings: each hybrid equals its parts applied by hand (float64), and the
+combination rules refuse what they cannot combine, naming the problem."""
+import json
+import math
+
+import pytest
+import torch
+
+from posbench.attention import causal_mask, get_backend
+from posbench.encodings import REGISTRY
+from posbench.encodings.alibi import alibi_slopes
+from posbench.encodings.base import Encoding
+from posbench.encodings.composite import Composite
+from posbench.encodings.sinusoidal import sinusoidal_table
+from posbench.runner import build
+from tests.conftest import make_encoding
+from tests.test_configs import compose_cfg
+
+D_MODEL, HEADS, LENGTH = 16, 2, 7
+HEAD = D_MODEL // HEADS
+
+
+def composite(parts, **params):
+    enc = make_encoding("composite", d_model=D_MODEL, n_heads=HEADS, parts=parts, **params).double()
+    torch.manual_seed(0)
+    for p in enc.parameters():  # tables start at zero or tiny: make them matter
+        torch.nn.init.normal_(p)
+    return enc
+
+
+def qkv(batch: int = 2):
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(batch, HEADS, LENGTH, HEAD, dtype=torch.float64, generator=gen) for _ in range(3)]
+
+
+def attention_by_hand(q, k, v, bias):
+    """softmax(q.k^T / sqrt(d) + bias, causal) v, written out."""
+    logits = q @ k.transpose(-1, -2) / math.sqrt(HEAD) + bias  # [B, H, L, L]
+    logits = logits.masked_fill(~causal_mask(LENGTH, LENGTH, q.device), float("-inf"))
+    return logits.softmax(-1) @ v  # [B, H, L, d]
+
+
+def attend(enc, q, k, v, pos, backend="eager"):
+    """What posbench.attention.Attention does with the encoding after the projections."""
+    q, k = enc.qk(q, k, pos, pos, 0) if "qk" in enc.hooks else (q, k)
+    return get_backend(backend).attend(q, k, v, enc, pos, pos, 0, True)
+
+
+def test_rope_plus_t5_equals_the_two_parts_applied_by_hand():
+    enc = composite(["rope", "t5"])
+    rope, t5 = make_encoding("rope", d_model=D_MODEL, n_heads=HEADS), make_encoding("t5", d_model=D_MODEL,
+                                                                                       n_heads=HEADS).double()
+    t5.load_state_dict(enc.parts[1].state_dict())  # the standalone t5 gets the composite's learned table
+    q, k, v = qkv()
+    pos = torch.arange(3, 3 + LENGTH)[None]
+    rq, rk = rope.qk(q, k, pos, pos, 0)  # rotated separately by a standalone rope
+    expected = attention_by_hand(rq, rk, v, t5.bias(pos, pos, 0))
+    assert enc.hooks == {"qk", "bias"} and enc.relative
+    torch.testing.assert_close(attend(enc, q, k, v, pos), expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(attend(enc, q, k, v, pos, "sdpa"), expected, rtol=0, atol=1e-12)
+
+
+def test_learned_plus_alibi_equals_table_row_and_linear_bias_by_hand():
+    enc = composite(["learned", "alibi"])
+    q, k, v = qkv()
+    pos = torch.arange(LENGTH)[None]
+    x = torch.randn(2, LENGTH, D_MODEL, dtype=torch.float64)
+    ids = torch.zeros(2, LENGTH, dtype=torch.long)
+    torch.testing.assert_close(enc.embed(x, pos, ids), x + enc.parts[0].table[:LENGTH], rtol=0, atol=0)
+    slopes = alibi_slopes(HEADS)  # [H]: 2^-4, 2^-8 for two heads
+    distance = (pos[0, :, None] - pos[0, None, :]).double()  # [L, L], i - j
+    expected = attention_by_hand(q, k, v, -slopes[:, None, None] * distance.abs())
+    assert enc.hooks == {"embed", "bias"} and not enc.relative
+    torch.testing.assert_close(attend(enc, q, k, v, pos), expected, rtol=0, atol=1e-12)
+
+
+def test_embed_sum_of_sinusoidal_and_learned():
+    enc = composite(["sinusoidal", "learned"], embed_rule="sum")
+    pos = torch.tensor([[0, 1, 2, 5], [2, 3, 4, 9]])  # [B, L]: per-sequence positions
+    x = torch.randn(2, 4, D_MODEL, dtype=torch.float64)
+    p_sin = sinusoidal_table(pos, D_MODEL).double()  # integer positions: the float32 table the part adds
+    expected = x + p_sin + enc.parts[1].table[pos]
+    got = enc.embed(x, pos, torch.zeros(2, 4, dtype=torch.long))
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("parts,params,message", [
+    (["sinusoidal", "learned"], {}, r"\['sinusoidal', 'learned'\] all have an embed hook; set encoding.embed_rule=sum"),
+    (["rope", "xpos"], {}, r"\['rope', 'xpos'\] all transform q and k \(qk hook\); at most one"),
+    (["tener", "deberta"], {}, r"disagree on the logit scale \{'tener': 1.0, 'deberta': 0.2041"),
+    (["rope", "bogus"], {}, r"unknown part 'bogus'; registered encodings: \['alibi', .*'xpos'\]"),
+    (["rope", "composite"], {}, "a composite cannot be a part of a composite"),
+    (["learned", "complex_order"], {"embed_rule": "sum"}, r"cannot add \['complex_order'\].*replaces the token"),
+    (["t5", "t5"], {}, r"parts \['t5'\] appear more than once"),
+    ("rope", {}, "must be a non-empty list"),
+    ([], {}, "must be a non-empty list"),
+    (["rope"], {"part_params": {"t5": {"num_buckets": 16}}}, r"part_params names \['t5'\].*not among parts"),
+    (["t5"], {"part_params": {"t5": {"num_bucket": 16}}}, r"part t5 has no parameter\(s\) \['num_bucket'\]"),
+    (["t5"], {"embed_rule": "concat"}, r"embed_rule='concat' is not valid; choose one of \['error', 'sum'\]"),
+])
+def test_refusals_name_the_problem(parts, params, message):
+    with pytest.raises(ValueError, match=message):
+        make_encoding("composite", d_model=D_MODEL, n_heads=HEADS, parts=parts, **params)
+
+
+def test_unknown_part_list_leaves_out_composite():
+    with pytest.raises(ValueError) as err:
+        make_encoding("composite", parts=["nothing"])
+    assert "'composite'" not in str(err.value) and "'rope'" in str(err.value)
+
+
+def test_logit_scale_one_override_wins_over_defaults():
+    assert composite(["rope", "t5"]).logit_scale(HEAD) == 1 / math.sqrt(HEAD)
+    assert composite(["tener", "t5"]).logit_scale(HEAD) == 1.0
+    assert composite(["alibi", "deberta"]).logit_scale(HEAD) == 1 / math.sqrt(3 * HEAD)
+
+
+def test_params_record_parts_rule_and_each_parts_settings():
+    enc = make_encoding("composite", parts=["rope", "t5"], part_params={"t5": {"num_buckets": 16}})
+    params = enc.params()
+    assert params == {"parts": ["rope", "t5"], "embed_rule": "error",
+                      "rope": {"base": 10000.0, "layout": "half", "scaling": "none", "scaling_factor": None},
+                      "t5": {"num_buckets": 16, "max_distance": 128, "bidirectional": False, "bucketed": True}}
+    json.dumps(params)  # result rows are JSON
+
+
+def test_class_attributes_describe_the_default_parts():
+    enc = make_encoding("composite")
+    assert [part.name for part in enc.parts] == ["rope", "t5"]
+    assert enc.hooks == Composite.hooks and enc.relative == Composite.relative
+
+
+@pytest.mark.parametrize("parts,relative", [(["rope", "alibi"], True), (["nope", "t5"], True),
+                                            (["learned", "alibi"], False), (["fire", "rope"], False)])
+def test_relative_only_when_every_part_is(parts, relative):
+    assert make_encoding("composite", parts=parts).relative is relative
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_rope_plus_alibi_is_shift_invariant(causal):
+    enc = make_encoding("composite", causal=causal, d_model=D_MODEL, n_heads=HEADS, parts=["rope", "alibi"]).double()
+    q, k, _ = qkv(1)
+    pos = torch.arange(LENGTH)[None]
+
+    def logits(shift):
+        rq, rk = enc.qk(q, k, pos + shift, pos + shift, 0)
+        return rq @ rk.transpose(-1, -2) * enc.logit_scale(HEAD) + enc.bias(pos + shift, pos + shift, 0)
+
+    for shift in (1, 37, 1000):
+        torch.testing.assert_close(logits(shift), logits(0), rtol=0, atol=1e-9)
+
+
+def test_parts_parameters_are_registered_and_train():
+    enc = make_encoding("composite", parts=["learned", "t5"])
+    names = {name for name, _ in enc.named_parameters()}
+    assert names == {"parts.0.table", "parts.1.table.weight"}
+    pos = torch.arange(4)[None]
+    loss = enc.embed(torch.zeros(1, 4, 16), pos, None).sum() + enc.bias(pos, pos, 0).sum()
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in enc.parameters())
+
+
+def test_set_eval_length_reaches_every_part():
+    enc = make_encoding("composite", parts=["rope", "t5"], part_params={"rope": {"scaling": "pi"}})
+    before = enc.parts[0].inv_freq.clone()
+    enc.set_eval_length(10, 20)  # position interpolation with s = 2
+    torch.testing.assert_close(enc.parts[0].inv_freq, before / 2)
+    enc.train()  # and training mode reaches the part too: rope drops its scaling
+    torch.testing.assert_close(enc.parts[0].inv_freq, before)
+
+
+def test_backend_auto_picks_eager_when_a_part_needs_it():
+    assert get_backend("auto", make_encoding("composite", parts=["rope", "t5"])).name == "sdpa"
+    assert get_backend("auto", make_encoding("composite", parts=["rope", "shaw"])).name == "eager"
+    with pytest.raises(ValueError, match="backend=sdpa cannot run"):
+        get_backend("sdpa").check(make_encoding("composite", parts=["alibi", "shaw"]))
+
+
+class Halve(Encoding):
+    """Test part: prob halves every probability, value_term adds 1; bias adds 1."""
+    name = "halve"
+    hooks = frozenset({"prob", "value_term", "bias"})
+    relative = True
+
+    def prob(self, p, q_pos, k_pos, layer):
+        return p / 2
+
+    def value_term(self, p, q_pos, k_pos, layer):
+        return torch.ones(*p.shape[:-1], HEAD, dtype=p.dtype)
+
+    def bias(self, q_pos, k_pos, layer):
+        return torch.ones(1, HEADS, q_pos.shape[1], k_pos.shape[1], dtype=torch.float64)
+
+
+class Square(Halve):
+    """Test part: prob squares every probability, value_term adds 2; no bias."""
+    name = "square"
+    hooks = frozenset({"prob", "value_term"})
+
+    def prob(self, p, q_pos, k_pos, layer):
+        return p ** 2
+
+    def value_term(self, p, q_pos, k_pos, layer):
+        return 2 * super().value_term(p, q_pos, k_pos, layer)
+
+
+def test_prob_in_sequence_value_terms_summed(monkeypatch):
+    monkeypatch.setitem(REGISTRY, "halve", Halve)
+    monkeypatch.setitem(REGISTRY, "square", Square)
+    q, k, v = qkv()
+    pos = torch.arange(LENGTH)[None]
+    logits = q @ k.transpose(-1, -2) / math.sqrt(HEAD) + 1  # the one bias: Halve's
+    p = logits.masked_fill(~causal_mask(LENGTH, LENGTH, q.device), float("-inf")).softmax(-1)
+    for order, modulated in ((["halve", "square"], (p / 2) ** 2), (["square", "halve"], p ** 2 / 2)):
+        enc = make_encoding("composite", d_model=D_MODEL, n_heads=HEADS, parts=order)
+        torch.testing.assert_close(attend(enc, q, k, v, pos), modulated @ v + 3, rtol=0, atol=1e-12)
+
+
+def test_cli_shape_composes_and_builds():
+    cfg = compose_cfg("encoding=composite", "encoding.parts=[learned,alibi]")
+    assert [part.name for part in build(cfg, torch.device("cpu")).encoding.parts] == ["learned", "alibi"]
+    cfg = compose_cfg("encoding=composite", "encoding.part_params={t5: {num_buckets: 16}}")
+    built = build(cfg, torch.device("cpu"))
+    assert built.encoding.params()["t5"]["num_buckets"] == 16 and built.backend == "sdpa"
+    cfg = compose_cfg("encoding=composite", "encoding.parts=[sinusoidal,learned,alibi]", "encoding.embed_rule=sum")
+    assert build(cfg, torch.device("cpu")).encoding.hooks == {"embed", "bias"}
