@@ -1,0 +1,87 @@
+"""scripts/benchmark_encodings.py: a real run on two encodings, and the ratio arithmetic."""
+import csv
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "benchmark_encodings.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("benchmark_encodings", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def table_rows(stdout: str) -> list[list[str]]:
+    """The markdown table's body rows, split into cells (header and separator dropped)."""
+    lines = [line for line in stdout.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def test_two_encodings_two_lengths(tmp_path):
+    out = tmp_path / "bench.csv"
+    result = subprocess.run([sys.executable, str(SCRIPT), "--encodings", "nope,alibi", "--lengths", "4,8",
+                             "--steps", "2", "--warmup", "1", "--out", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "[4/4] alibi length 8" in result.stderr  # progress goes to stderr
+
+    rows = table_rows(result.stdout)
+    assert [(r[0], r[2]) for r in rows] == [("nope", "4"), ("nope", "8"), ("alibi", "4"), ("alibi", "8")]
+    for encoding, backend, length, tokens, speed, _, step_ms, peak, _, step_mem, _ in rows:
+        assert backend == "sdpa"  # backend=auto resolved as in a real run
+        assert int(tokens) == 2 * int(length) + 1  # BOS + n symbols + SEP + n - 1 outputs
+        assert float(speed.replace(",", "")) > 0 and float(step_ms) > 0
+        assert float(peak) > 0 and float(step_mem) > 0
+    for row in rows[:2]:  # nope against itself
+        assert (row[5], row[8], row[10]) == ("1.00", "1.00", "1.00")
+
+    with out.open() as handle:
+        written = list(csv.DictReader(handle))
+    assert [(r["encoding"], int(r["length"])) for r in written] == [(r[0], int(r[2])) for r in rows]
+    for row in written:
+        assert row["status"] == "ok" and row["mem_kind"] in {"rss_hwm", "ru_maxrss", "cuda_max_allocated"}
+        assert float(row["tokens_per_s"]) > 0 and float(row["peak_mem_mb"]) > 0
+        if row["encoding"] == "nope":
+            assert float(row["tokens_per_s_vs_nope"]) == 1.0
+            assert float(row["peak_mem_vs_nope"]) == 1.0 and float(row["step_mem_vs_nope"]) == 1.0
+        else:
+            assert float(row["tokens_per_s_vs_nope"]) > 0 and float(row["peak_mem_vs_nope"]) > 0
+
+
+def test_ratios_divide_by_nope_at_the_same_length():
+    bench = load_script()
+    rows = [
+        {"encoding": "nope", "length": 4, "status": "ok", "tokens_per_s": 100.0, "peak_mem_mb": 10.0,
+         "step_mem_mb": 0.0},
+        {"encoding": "rope", "length": 4, "status": "ok", "tokens_per_s": 50.0, "peak_mem_mb": 15.0,
+         "step_mem_mb": 3.0},
+        {"encoding": "rope", "length": 8, "status": "ok", "tokens_per_s": 50.0, "peak_mem_mb": 15.0,
+         "step_mem_mb": 3.0},
+        {"encoding": "t5", "length": 4, "status": "failed: boom"},
+    ]
+    bench.add_ratios(rows)
+    assert (rows[0]["tokens_per_s_vs_nope"], rows[0]["peak_mem_vs_nope"]) == (1.0, 1.0)
+    assert rows[0]["step_mem_vs_nope"] is None  # nope's zero: no ratio rather than a division by zero
+    assert (rows[1]["tokens_per_s_vs_nope"], rows[1]["peak_mem_vs_nope"]) == (0.5, 1.5)
+    assert rows[2]["tokens_per_s_vs_nope"] is None  # no nope row at length 8
+    assert rows[3]["tokens_per_s_vs_nope"] is None
+
+
+def test_unknown_encoding_is_refused():
+    result = subprocess.run([sys.executable, str(SCRIPT), "--encodings", "nope,bogus"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "bogus" in result.stderr and "registered" in result.stderr
+
+
+@pytest.mark.parametrize("flag", [["--lengths", "4,x"], ["--lengths", "0,4"], ["--steps", "0"]])
+def test_bad_options_are_refused(flag):
+    result = subprocess.run([sys.executable, str(SCRIPT), "--encodings", "nope", *flag], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and flag[0] in result.stderr
