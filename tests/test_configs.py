@@ -41,7 +41,9 @@ def test_every_encoding_and_task_builds(encoding, task):
     cfg = compose_cfg(f"encoding={encoding}", f"task={task}")
     built = build(cfg, torch.device("cpu"))
     assert built.encoding.name == encoding and built.task.name == task
-    assert built.lengths == [8, 16, 24, 32, 48, 64]
+    n = built.task.default_length
+    assert built.train_length == n
+    assert built.lengths == sorted({max(1, round(r * n)) for r in cfg.eval.ratios})
 
 
 @pytest.mark.parametrize("group", ["model", "train", "eval", "logger", "backend"])
