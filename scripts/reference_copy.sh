@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Rebuild the README's default-settings table and figure: the six core encodings on copy
-# (and sort), default config, one seed each, two single-thread jobs at a time.
+# Rebuild the README's reference results: the six core encodings on copy and sort with
+# the default config (one seed), two single-thread jobs at a time, then the report.
 #   bash scripts/reference_copy.sh [extra overrides]
 set -euo pipefail
 cd "$(dirname "$0")/.."
