@@ -12,7 +12,9 @@ from pathlib import Path
 ROW_FILE = "results.jsonl"
 METRICS = ("exact_match", "token_acc", "loss")
 METRIC_LABELS = {"exact_match": "exact-match accuracy", "token_acc": "token accuracy", "loss": "loss",
-                 "perplexity": "perplexity", "bits_per_byte": "bits per byte"}
+                 "perplexity": "perplexity", "bits_per_byte": "bits per byte",
+                 "sliding_perplexity": "perplexity (sliding window)",
+                 "sliding_bits_per_byte": "bits per byte (sliding window)"}
 PLOT_METRICS = ("exact_match", "perplexity", "token_acc", "loss")  # a run's curve shows the first two it has
 # Every row carries these keys (metrics may be None for a length that was not measured).
 SCHEMA = (
@@ -133,6 +135,6 @@ def _decorate(ax, metric: str, train_length) -> None:
     ax.set_ylabel(METRIC_LABELS[metric])
     if metric in ("exact_match", "token_acc"):
         ax.set_ylim(-0.03, 1.03)
-    elif metric == "perplexity":
+    elif metric.endswith("perplexity"):
         ax.set_yscale("log")
     ax.grid(alpha=0.3)

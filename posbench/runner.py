@@ -281,7 +281,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
     return rows
 
 
-TABLE_METRICS = ("exact_match", "token_acc", "loss", "perplexity", "bits_per_byte")
+TABLE_METRICS = ("exact_match", "token_acc", "loss", "perplexity", "sliding_perplexity", "bits_per_byte")
 
 
 def print_table(rows: list[dict], trained: dict) -> None:

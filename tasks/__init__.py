@@ -3,7 +3,8 @@ from tasks.base import Batch, Task
 from tasks.copy import Copy
 from tasks.reverse import Reverse
 from tasks.sort import Sort
+from tasks.wikitext import WikiText
 
-REGISTRY: dict[str, type[Task]] = {cls.name: cls for cls in (Copy, Reverse, Sort)}
+REGISTRY: dict[str, type[Task]] = {cls.name: cls for cls in (Copy, Reverse, Sort, WikiText)}
 
 __all__ = ["REGISTRY", "Batch", "Task"]

@@ -3,16 +3,17 @@ import pytest
 import torch
 
 from tasks import REGISTRY
-from tasks.base import batch_metrics, finalize_metrics
+from tasks.base import TransductionTask, batch_metrics, finalize_metrics
 
 SOLVERS = {"copy": lambda xs: list(xs), "reverse": lambda xs: xs[::-1], "sort": sorted}
+TRANSDUCTIONS = sorted(n for n, c in REGISTRY.items() if issubclass(c, TransductionTask))
 
 
-def test_every_task_has_a_solver():
-    assert set(REGISTRY) == set(SOLVERS)
+def test_every_transduction_task_has_a_solver():
+    assert set(TRANSDUCTIONS) == set(SOLVERS)
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("name", TRANSDUCTIONS)
 @pytest.mark.parametrize("length", [1, 2, 7, 33])
 @pytest.mark.parametrize("bos", [True, False])
 def test_sequences_are_exact(name, length, bos):
@@ -33,7 +34,7 @@ def test_sequences_are_exact(name, length, bos):
         assert task.sep not in scored and 11 not in scored
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("name", TRANSDUCTIONS)
 def test_seeded_determinism(name):
     task = REGISTRY[name]()
     a = task.sample(8, 12, torch.Generator().manual_seed(5))
