@@ -130,7 +130,8 @@ def plot_comparison(frame, path: str | Path, metric: str = "exact_match") -> Non
 
 def _decorate(ax, metric: str, train_length) -> None:
     ax.axvline(1.0, color="grey", ls="--", lw=1)
-    ax.text(1.0, 0.02, f" train N={train_length}", color="grey", fontsize=8, transform=ax.get_xaxis_transform())
+    ax.text(1.0, 0.97, f" train N={train_length}", color="grey", fontsize=8, va="top",
+            transform=ax.get_xaxis_transform())
     ax.set_xlabel("evaluation length / training length")
     ax.set_ylabel(METRIC_LABELS[metric])
     if metric in ("exact_match", "token_acc"):
