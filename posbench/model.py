@@ -20,6 +20,11 @@ class ModelConfig:
     causal: bool = True
     dropout: float = 0.0
 
+    def __post_init__(self):
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
+                             "pick sizes with d_model % n_heads == 0")
+
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, encoding: Encoding, backend: Backend):
@@ -39,8 +44,6 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, encoding: Encoding, backend: Backend):
         super().__init__()
-        if cfg.d_model % cfg.n_heads:
-            raise ValueError(f"model.d_model={cfg.d_model} is not divisible by model.n_heads={cfg.n_heads}")
         backend.check(encoding)
         self.cfg = cfg
         self.encoding = encoding

@@ -27,6 +27,8 @@ from tasks.base import Task
 
 TRAIN_LENGTH_MODES = ("uniform", "fixed")
 TIMING_WARMUP_STEPS = 10
+UNMEASURED = {"exact_match": None, "token_acc": None, "loss": None, "eval_tokens_per_s": None,
+              "peak_mem_mb": None, "mem_kind": None}  # a length that was not evaluated
 
 
 def resolve_device(name: str) -> torch.device:
@@ -103,9 +105,6 @@ def build(cfg: DictConfig, device: torch.device) -> Built:
     positions = PositionScheme(cfg.train.positions, cfg.train.max_position or longest)
     positions.check(longest)
     model_cfg = ModelConfig(vocab_size=task.vocab_size, **OmegaConf.to_container(cfg.model))
-    if model_cfg.d_model % model_cfg.n_heads:
-        raise ValueError(f"model.d_model={model_cfg.d_model} is not divisible by model.n_heads="
-                         f"{model_cfg.n_heads}; pick sizes with d_model % n_heads == 0")
     dims = ModelDims(d_model=model_cfg.d_model, n_heads=model_cfg.n_heads, n_layers=model_cfg.n_layers,
                      max_positions=positions.max_position,
                      train_positions=positions.max_position if positions.scheme != "sequential"
@@ -260,15 +259,12 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
                "ratio": length / built.train_length, "samples": int(cfg.eval.samples),
                "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         if trained["status"] == "diverged":
-            row |= {"status": "diverged", "exact_match": None, "token_acc": None, "loss": None,
-                    "eval_tokens_per_s": None, "peak_mem_mb": None, "mem_kind": None}
+            row |= {"status": "diverged", **UNMEASURED}
         else:
             try:
                 row |= {"status": "ok", **evaluate(built, length, cfg.eval, device)}
             except Exception as err:
-                writer.write(row | {"status": f"failed: {type(err).__name__}: {err}"[:500], "exact_match": None,
-                                    "token_acc": None, "loss": None, "eval_tokens_per_s": None,
-                                    "peak_mem_mb": None, "mem_kind": None})
+                writer.write(row | {"status": f"failed: {type(err).__name__}: {err}"[:500], **UNMEASURED})
                 raise
         writer.write(row)
         logger.log_eval(row)
