@@ -17,13 +17,15 @@ from posbench.encodings.shaw import Shaw
 from posbench.encodings.sinusoidal import Sinusoidal
 from posbench.encodings.t5 import T5
 from posbench.encodings.transformer_xl import TENER, TransformerXL
+from posbench.encodings.urpe import URPE
 from posbench.encodings.xpos import XPos
 
 REGISTRY: dict[str, type[Encoding]] = {cls.name: cls for cls in (NoPE, Sinusoidal, Learned, RoPE, ALiBi, T5,
                                                                Index, Normalized, Binary, Hierarchical,
                                                                ComplexOrder, Floater,
                                                                Kerple, FIRE, Sandwich, XPos,
-                                                               Shaw, TransformerXL, TENER, DeBERTa, Composite)}
+                                                               Shaw, TransformerXL, TENER, DeBERTa, URPE,
+                                                               Composite)}
 
 
 def get_encoding(name: str) -> type[Encoding]:
