@@ -85,3 +85,16 @@ def test_eval_lengths_grid():
     assert eval_lengths(cfg.eval, 10) == [5, 10, 20, 80]
     cfg = compose_cfg("eval.lengths=[40,3,3]")
     assert eval_lengths(cfg.eval, 16) == [3, 40]
+
+
+def test_task_training_defaults_name_registered_tasks():
+    assert set(options("task_train")) <= set(TASKS)
+
+
+def test_task_training_defaults_apply_under_command_line_and_experiments():
+    lm = compose_cfg("task=wikitext")
+    assert (lm.train.lengths, lm.train.steps, lm.train.batch_size) == ("fixed", 2000, 32)
+    assert compose_cfg("task=copy").train.steps == 10000
+    assert compose_cfg("task=wikitext", "train.steps=7", "train.lengths=uniform").train.steps == 7
+    assert compose_cfg("task=wikitext", "train.lengths=uniform").train.lengths == "uniform"
+    assert compose_cfg("task=wikitext", "experiment=smoke").train.steps == 20
