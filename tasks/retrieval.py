@@ -138,8 +138,7 @@ class RetrievalTask(Task):
                              for r in done]).T  # [bins, lengths]
         bins, lengths = grid.shape
         fig, ax = plt.subplots(figsize=(1.8 + 0.7 * lengths, 4.2), constrained_layout=True)
-        cmap = plt.get_cmap("RdYlGn").copy()
-        cmap.set_bad("lightgrey")  # no query fell in this bin at this length
+        cmap = plt.get_cmap("RdYlGn").with_extremes(bad="lightgrey")  # grey: no query in this bin at this length
         image = ax.imshow(grid.numpy(), cmap=cmap, vmin=0, vmax=1, aspect="auto", origin="upper")
         for b in range(bins):
             for i in range(lengths):
@@ -194,8 +193,9 @@ class Passkey(RetrievalTask):
         else:
             filler = torch.randint(0, self.filler_symbols, (batch_size, length), generator=generator,
                                    device=device)  # [B, L]
-        offset = torch.arange(length + digits + 2, device=device) - before  # [B, C] position from KEY
-        filler_index = torch.where(offset < 0, offset + before, offset - digits - 2).clamp(0, length - 1)  # [B, C]
+        position = torch.arange(length + digits + 2, device=device)  # [C]
+        offset = position - before  # [B, C] position from KEY
+        filler_index = torch.where(offset < 0, position, position - digits - 2).clamp(0, length - 1)  # [B, C]
         context = torch.where(offset == 0, self.key_open, torch.where(
             offset == digits + 1, self.key_close, key.gather(1, (offset - 1).clamp(0, digits - 1))))  # [B, C]
         outside = (offset < 0) | (offset > digits + 1)  # [B, C]
