@@ -1,7 +1,9 @@
 """The task interface: a seeded generator of batches at a given length, plus metrics.
 
-`length` is the task's own length (for the synthetic transductions, the number of input
-symbols); `sequence_length(length)` is the number of tokens the model actually sees.
+`length` is the task's own length (for the synthetic tasks, as their source paper counts it:
+input symbols, digits per operand, actions, ...); `sequence_length(length)` is the number of
+tokens the model actually sees. `SequenceTask` lays out an input/answer pair for a decoder
+(causal) or an encoder (causal=False); `TransductionTask` is the n-symbols-in, n-out case.
 """
 from __future__ import annotations
 
@@ -57,45 +59,127 @@ class Task:
         return []
 
 
-class TransductionTask(Task):
-    """Read n symbols, a separator, then write f(symbols): `[BOS] x_1..x_n SEP y_1..y_n`.
+class SequenceTask(Task):
+    """A task that maps an input x [B, n'] to an answer y [B, m]; this class lays the pair out.
 
-    The model sees `[BOS] x SEP y_1..y_{n-1}` (2n tokens, 2n + 1 with BOS) and is scored on
-    predicting y_1..y_n. BOS gives every encoding, NoPE included, a fixed anchor to count from.
+    Ids: 0..alphabet-1 are the task's own tokens (symbols, digits, operators, labels), then SEP,
+    BOS and, in the encoder layout only, QUERY. Subclasses give `input_length` (n'),
+    `output_length` (m) and `generate` (batched tensor ops on the generator's device). With b = 1
+    when there is a BOS token, else 0, the two layouts are:
+
+    - causal (a decoder): the sequence `[BOS] x SEP y_1..y_m`; the model sees all but its last
+      token (T = b + n' + m) and is scored on predicting y_1..y_m (teacher forcing).
+    - encoder (causal=False, as Deletang et al. 2022 run their tasks): a non-causal model reads
+      `[BOS] x SEP QUERY*m` (T = b + n' + 1 + m) and predicts y at the m QUERY positions in one
+      pass; no answer token is in the inputs. Targets elsewhere repeat the inputs, never scored.
+
+    In both the answer is scored at the last m positions. An answer shorter than its fixed width m
+    (e.g. a final stack ended by an END token, then padded) marks the positions that count in
+    `scored`. BOS gives every encoding, NoPE included, a fixed anchor to count from.
     """
 
-    def __init__(self, symbols: int = 10, default_length: int = 16, bos: bool = True):
-        if symbols < 2:
-            raise ValueError(f"task.symbols={symbols}: need at least 2 symbols")
-        self.symbols = int(symbols)
-        self.sep = self.symbols  # ids: symbols 0..S-1, then SEP, then BOS
-        self.bos = self.symbols + 1 if bos else None
-        self.vocab_size = self.symbols + 2
+    options: tuple[str, ...] = ()  # the subclass's constructor options, recorded by params()
+
+    def __init__(self, alphabet: int, default_length: int = 16, bos: bool = True, causal: bool = True):
+        self.alphabet = int(alphabet)
+        self.sep = self.alphabet
+        self.bos = self.alphabet + 1 if bos else None
+        self.causal = bool(causal)
+        self.query = None if self.causal else self.alphabet + 2
+        self.vocab_size = self.alphabet + (2 if self.causal else 3)
         self.default_length = int(default_length)
 
     def params(self) -> dict:
-        return {"symbols": self.symbols, "bos": self.bos is not None}
+        return {**{key: getattr(self, key) for key in self.options}, "bos": self.bos is not None,
+                "causal": self.causal}
+
+    def check_length(self, length: int) -> None:
+        if length < 1:
+            raise ValueError(f"{self.name}: length must be >= 1, got {length}")
+
+    def input_length(self, length: int) -> int:
+        """n': tokens of x at this task length."""
+        raise NotImplementedError
+
+    def output_length(self, length: int) -> int:
+        """m: tokens of y at this task length (a fixed width, so batches are rectangular)."""
+        raise NotImplementedError
+
+    def generate(self, batch_size: int, length: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (x [B, n'], y [B, m]), ids in 0..alphabet-1, on the generator's device."""
+        raise NotImplementedError
+
+    def scored(self, y: torch.Tensor) -> torch.Tensor:
+        """y: [B, m] -> [B, m] bool, the answer positions that count (all by default)."""
+        return torch.ones_like(y, dtype=torch.bool)
+
+    def sequence_length(self, length: int) -> int:
+        self.check_length(length)
+        answer = self.output_length(length) + (0 if self.causal else 1)  # the encoder adds QUERY*m after SEP
+        return (self.bos is not None) + self.input_length(length) + answer
+
+    def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
+        self.check_length(length)
+        x, y = self.generate(batch_size, length, generator)  # [B, n'], [B, m]
+        m = y.shape[1]
+        parts = [filled(self.bos, x, 1)] if self.bos is not None else []
+        parts += [x, filled(self.sep, x, 1)]
+        if self.causal:
+            seq = torch.cat(parts + [y], dim=1)  # [B, T + 1]
+            inputs, targets = seq[:, :-1], seq[:, 1:]  # [B, T]
+        else:
+            inputs = torch.cat(parts + [filled(self.query, x, m)], dim=1)  # [B, T]
+            targets = inputs.clone()
+            targets[:, -m:] = y
+        loss_mask = torch.zeros_like(inputs, dtype=torch.bool)  # [B, T]
+        loss_mask[:, -m:] = self.scored(y)
+        return Batch(inputs=inputs, targets=targets, loss_mask=loss_mask)
+
+
+def filled(token: int, like: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width] of one token, B and device from `like`."""
+    return torch.full((like.shape[0], width), token, dtype=torch.long, device=like.device)
+
+
+def uniform_ids(generator: torch.Generator, high: int, *shape: int) -> torch.Tensor:
+    """Ids drawn uniformly from 0..high-1, on the generator's device."""
+    return torch.randint(0, high, shape, generator=generator, device=generator.device)
+
+
+def check_at_least(task: str, key: str, value: int, least: int) -> int:
+    if int(value) < least:
+        raise ValueError(f"{task}: task.{key}={value} must be >= {least}")
+    return int(value)
+
+
+class TransductionTask(SequenceTask):
+    """Read n uniform random symbols, then write f(symbols), n of them: `x_1..x_n SEP y_1..y_n`.
+
+    Length = n, the number of input symbols. Causal: the model sees `[BOS] x SEP y_1..y_{n-1}`
+    (2n tokens, 2n + 1 with BOS) and is scored on predicting y_1..y_n.
+    """
+
+    options = ("symbols",)
+
+    def __init__(self, symbols: int = 10, default_length: int = 16, bos: bool = True, causal: bool = True):
+        if symbols < 2:
+            raise ValueError(f"task.symbols={symbols}: need at least 2 symbols")
+        super().__init__(symbols, default_length, bos, causal)
+        self.symbols = int(symbols)
 
     def transform(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, n] -> the expected output [B, n]."""
         raise NotImplementedError
 
-    def sequence_length(self, length: int) -> int:
-        return 2 * length + (self.bos is not None)
+    def input_length(self, length: int) -> int:
+        return length
 
-    def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
-        if length < 1:
-            raise ValueError(f"{self.name}: length must be >= 1, got {length}")
-        device = generator.device
-        x = torch.randint(0, self.symbols, (batch_size, length), generator=generator, device=device)  # [B, n]
-        sep = torch.full((batch_size, 1), self.sep, dtype=torch.long, device=device)  # [B, 1]
-        parts = (x, sep, self.transform(x))
-        if self.bos is not None:
-            parts = (torch.full((batch_size, 1), self.bos, dtype=torch.long, device=device), *parts)
-        seq = torch.cat(parts, dim=1)  # [B, T + 1]
-        loss_mask = torch.zeros(batch_size, seq.shape[1] - 1, dtype=torch.bool, device=device)  # [B, T]
-        loss_mask[:, -length:] = True
-        return Batch(inputs=seq[:, :-1], targets=seq[:, 1:], loss_mask=loss_mask)
+    def output_length(self, length: int) -> int:
+        return length
+
+    def generate(self, batch_size: int, length: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        x = uniform_ids(generator, self.symbols, batch_size, length)  # [B, n]
+        return x, self.transform(x)
 
 
 def batch_metrics(logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
