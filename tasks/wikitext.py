@@ -68,7 +68,10 @@ class WikiText(Task):
     def __init__(self, dataset: str = "wikitext-2-v1", data_dir: str | None = None, tokenizer: str = "byte",
                  default_length: int = 64, eval_split: str = "validation", eval_tokens: int | None = 32768,
                  stride: int | None = None, train_tokens: int | None = None, position_bins: int = 16,
-                 cache_dir: str | None = "~/.cache/posbench"):
+                 cache_dir: str | None = "~/.cache/posbench", causal: bool = True):
+        if not causal:
+            raise ValueError(f"task={self.name}: causal={causal} is not possible; language modelling predicts each "
+                             "next token, so it needs a causal decoder (model.causal=true)")
         check_choice("eval_split", eval_split, SPLITS[1:])
         for key, value in (("eval_tokens", eval_tokens), ("stride", stride), ("train_tokens", train_tokens)):
             if value is not None and int(value) < 1:
