@@ -1,49 +1,456 @@
-"""`python -m posbench.report DIR [DIR ...] [--out OUT]`: every row of runs/sweeps -> one table + figure."""
+"""`python -m posbench.report DIR [DIR ...] [--out OUT] [--metric M] [--threshold T]`
+
+Collects every results.jsonl under the given run or sweep directories and writes to OUT
+(default: the first directory): results.csv (every row), summary.csv (per group and
+evaluation length: mean, std, min, max, n over seeds), headline.csv (per group: the
+headline metrics of posbench.headline over seeds, cost at the longest length, the
+ranking), the figures, report.md and a self-contained report.html.
+
+A group is one configuration minus the seed: runs that differ in anything else (encoding
+parameters, task parameters, model, N, position scheme, training steps, ...) stay apart.
+"""
 from __future__ import annotations
 
 import argparse
+import base64
+import html
+import json
+import math
+import re
+from functools import cache
 from pathlib import Path
 
-from posbench.results import METRIC_LABELS, collect, plot_comparison
+import yaml
+
+from posbench.headline import (DEFAULT_THRESHOLD, HEADLINE_METRICS, SCORES, criterion, lower_is_better,
+                               primary_metric, run_headline, spread)
+from posbench.results import METRIC_LABELS, collect, plot_cost, plot_curves, plot_heatmap, plot_ranking
+
+# Row columns that define a configuration besides task, encoding and the three parameter dicts.
+SETTING_COLUMNS = ("backend", "train_length", "train_lengths", "positions", "max_position", "steps")
+PARAM_COLUMNS = {"encoding_params": "encoding.", "task_params": "task.", "model": "model."}
+IGNORED_PARAMS = ("task.data_dir", "task.cache_dir")  # where the data lives, not what it is
+SHORT_NAMES = {"train_length": "N"}
+COST_COLUMNS = ("eval_tokens_per_s", "peak_mem_mb")
 
 
-def summarize(frame):
-    """One row per (task, encoding): seeds, accuracy at N and at the longest length, cost."""
+@cache
+def configured_steps(source: str) -> int | None:
+    """train.steps of the run's config.yaml: a diverged run's rows record the steps it got through."""
+    try:
+        return int(yaml.safe_load((Path(source) / "config.yaml").read_text())["train"]["steps"])
+    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+        return None
+
+
+def _plain(value):
+    """JSON-stable python value: numpy scalars unwrapped, integral floats as int, NaN as None."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float):
+        if math.isnan(value):
+            return None
+        if value.is_integer():
+            return int(value)
+    return value
+
+
+def settings(row) -> dict:
+    """The configuration of a row's run as flat keys (encoding.*, task.*, model.*, N, ...)."""
+    flat = {}
+    for column, prefix in PARAM_COLUMNS.items():
+        params = json.loads(row[column]) if isinstance(row[column], str) else {}
+        flat |= {f"{prefix}{key}": _plain(v) for key, v in params.items()}
+    flat |= {column: _plain(row[column]) for column in SETTING_COLUMNS}
+    return {key: v for key, v in flat.items() if key not in IGNORED_PARAMS}
+
+
+def add_groups(frame):
+    """Adds steps (configured), group (a key: task, encoding and settings) and label
+    (the encoding plus the settings that differ between groups of one task and encoding)."""
+    frame = frame.copy()
+    frame["steps"] = [configured_steps(src) or _plain(done) for src, done in zip(frame["source"], frame["train_steps"])]
+    firsts = frame.drop_duplicates("run_id")  # settings are per run: every row of a run joins its group
+    per_run = {r["run_id"]: (r["task"], r["encoding"], settings(r)) for _, r in firsts.iterrows()}
+    keys = {run: json.dumps({"task": t, "encoding": e, **s}, sort_keys=True, default=str)
+            for run, (t, e, s) in per_run.items()}
+    frame["group"] = frame["run_id"].map(keys)
+    per_group = {keys[run]: value for run, value in per_run.items()}
+    varying = set()  # settings that tell apart groups of one task and encoding (not e.g. backend=auto's pick)
+    for key in {k for _, _, s in per_group.values() for k in s}:
+        seen: dict = {}
+        for t, e, s in per_group.values():
+            seen.setdefault((t, e), set()).add(json.dumps(s.get(key), default=str))
+        if any(len(values) > 1 for values in seen.values()):
+            varying.add(key)
+    labels = {}
+    for group, (_, encoding, s) in per_group.items():
+        shown = [f"{SHORT_NAMES.get(k, k.removeprefix('encoding.'))}={s[k]}" for k in sorted(varying) if k in s]
+        labels[group] = " ".join([encoding, ", ".join(shown)]).strip()
+    frame["label"] = frame["group"].map(labels)
+    return frame
+
+
+def task_metrics(frame, metric: str | None) -> dict[str, str]:
+    """The headline metric of each task: the one asked for, else the task's primary metric."""
+    chosen = {}
+    for task, part in frame.groupby("task"):
+        rows = part.to_dict("records")
+        chosen[task] = metric or primary_metric(rows)
+    return chosen
+
+
+def run_table(frame, metrics: dict[str, str], threshold: float):
+    """One row per run: its status, the lengths it finished and missed, its headline metrics."""
+    import pandas as pd
+
+    grid = frame.groupby("group")["eval_length"].agg(lambda s: sorted({int(n) for n in s}))
+    records = []
+    for run_id, part in frame.groupby("run_id", sort=False):
+        rows = part.sort_values("eval_length").to_dict("records")
+        first = rows[0]
+        expected = grid[first["group"]]
+        head = run_headline(rows, metrics[first["task"]], threshold, expected)
+        finished = [int(r["eval_length"]) for r in rows if r["status"] == "ok"]
+        statuses = [r["status"] for r in rows if r["status"] != "ok"]
+        failed = [s for s in statuses if str(s).startswith("failed")]
+        steps_done, steps = _plain(first["train_steps"]), first["steps"]
+        if failed:
+            status = failed[0]
+        elif "diverged" in statuses:
+            status = f"diverged after {steps_done} of {steps} steps"
+        elif statuses:
+            status = statuses[0]
+        elif len(finished) < len(expected):
+            status = "stopped early"
+        else:
+            status = "ok"
+        records.append({
+            "run_id": run_id, "run_name": first["run_name"], "group": first["group"], "label": first["label"],
+            "task": first["task"], "encoding": first["encoding"], "seed": first["seed"], "source": first["source"],
+            "status": status, "finished_lengths": finished, "missing_lengths": head.missing_lengths,
+            "complete": head.complete, "metric": head.metric,
+            **{score: getattr(head, score) for score in SCORES},
+            "train_tokens_per_s": first["train_tokens_per_s"], "train_seconds": first["train_seconds"],
+        })
+    return pd.DataFrame(records)
+
+
+def summary_table(frame):
+    """One row per (group, evaluation length): runs with a row there, n measured, and
+    mean, std (ddof 1), min, max over seeds of every measured metric and cost."""
+    measured = [m for m in (*HEADLINE_METRICS, *COST_COLUMNS) if m in frame and frame[m].notna().any()]
     ok = frame[frame["status"] == "ok"]
-    at_n = ok[ok["ratio"] == 1.0].groupby(["task", "encoding"])["exact_match"].mean().rename("exact_at_N")
-    longest = ok[ok["ratio"] == ok.groupby("task")["ratio"].transform("max")]
-    at_k = longest.groupby(["task", "encoding"])["token_acc"].mean().rename("token_acc_at_kN")
-    runs = frame.drop_duplicates("run_id").groupby(["task", "encoding"])
-    cost = runs.agg(seeds=("seed", "nunique"), train_steps=("train_steps", "mean"),
-                    train_seconds=("train_seconds", "mean"), train_tokens_per_s=("train_tokens_per_s", "mean"))
-    return cost.join([at_n, at_k]).reset_index()
+    keys = ["group", "label", "task", "encoding", "train_length", "eval_length"]
+    base = frame.groupby(keys, sort=True).agg(ratio=("ratio", "first"), runs=("run_id", "nunique"))
+    base = base.join(ok.groupby(keys).agg(n=("run_id", "nunique"),
+                                          mem_kind=("mem_kind", lambda s: ",".join(sorted(set(s.dropna()))))))
+    stats = ok.groupby(keys)[measured].agg(["mean", "std", "min", "max"])
+    stats.columns = [f"{metric}_{stat}" for metric, stat in stats.columns]
+    table = base.join(stats).reset_index()
+    table["n"] = table["n"].fillna(0).astype(int)
+    return table[[c for c in table.columns if c != "group"] + ["group"]]  # the long key last
+
+
+def headline_table(frame, runs, summary, threshold: float):
+    """One row per group: headline scores over seeds (mean, std, min, max, n), training
+    throughput, and evaluation throughput and peak memory at the group's longest length."""
+    import pandas as pd
+
+    records = []
+    for group, part in runs.groupby("group", sort=False):
+        first = frame[frame["group"] == group].iloc[0]
+        at_longest = summary[(summary["group"] == group)].sort_values("eval_length").iloc[-1]
+        metric = part["metric"].iloc[0]
+        record = {"label": first["label"], "task": first["task"], "encoding": first["encoding"], "metric": metric,
+                  "criterion": criterion(metric, threshold), "train_length": first["train_length"],
+                  "longest_length": at_longest["eval_length"], "runs": len(part),
+                  "seeds": ",".join(map(str, sorted(part["seed"]))), "incomplete_runs": int((~part["complete"]).sum())}
+        for score in SCORES:
+            record |= {f"{score}_{stat}": v for stat, v in spread(part[score]).items()}
+        record |= {f"train_tokens_per_s_{stat}": v for stat, v in spread(part["train_tokens_per_s"]).items()}
+        for column in COST_COLUMNS:
+            record |= {f"{column}_at_longest_{stat}": at_longest.get(f"{column}_{stat}", math.nan)
+                       for stat in ("mean", "std", "min", "max")}
+            record[f"{column}_at_longest_n"] = at_longest["n"]
+        record["mem_kind"] = at_longest.get("mem_kind")
+        record |= {column: first[column] for column in ("encoding_params", "task_params", "model", *SETTING_COLUMNS)}
+        record["group"] = group
+        records.append(record)
+    return add_ranking(pd.DataFrame(records))
+
+
+def add_ranking(headline):
+    """rank_in_task: rank of the mean OOD score among the task's groups (1 = best; ties share
+    the better rank; a group without an OOD score ranks last); mrr: the mean over tasks of
+    1 / rank for the group's label (Kazemnejad et al. 2023), tasks: how many tasks it was ranked on."""
+    headline = headline.copy()
+    headline["rank_in_task"] = 0
+    for task, part in headline.groupby("task"):
+        ascending = lower_is_better(part["metric"].iloc[0])
+        ranks = part["ood_score_mean"].rank(method="min", ascending=ascending, na_option="bottom")
+        headline.loc[part.index, "rank_in_task"] = ranks.astype(int)
+    reciprocal = 1 / headline["rank_in_task"]
+    headline["mrr"] = reciprocal.groupby(headline["label"]).transform("mean")
+    headline["tasks"] = headline.groupby("label")["task"].transform("nunique")
+    return headline.sort_values(["task", "rank_in_task", "label"]).reset_index(drop=True)
+
+
+def ranking_table(headline):
+    import pandas as pd
+
+    ranks = headline.pivot_table(index="label", columns="task", values="rank_in_task", aggfunc="first")
+    ranks.columns = [f"rank on {task}" for task in ranks.columns]
+    mrr = headline.groupby("label").agg(mrr=("mrr", "first"), tasks=("tasks", "first"))
+    return pd.concat([mrr, ranks], axis=1).reset_index().sort_values(["mrr", "label"], ascending=[False, True])
+
+
+# ---- formatting -------------------------------------------------------------------------------
+
+def fmt(value, kind: str = "score") -> str:
+    """A number for a table: '–' for missing; kind: score (3 decimals, 3 significant digits
+    for perplexity-like values), ratio, int, count (thousands separated)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    value = float(value)
+    if kind == "int":
+        return f"{value:.0f}"
+    if kind == "count":
+        return f"{value:,.0f}"
+    if kind == "ratio":
+        return f"{value:.2f}"
+    return f"{value:.3f}" if abs(value) < 10 else f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+
+
+def pm(record, column: str, kind: str = "score") -> str:
+    return f"{fmt(record[f'{column}_mean'], kind)} ± {fmt(record[f'{column}_std'], kind)}"
+
+
+def headline_rows(headline):
+    """The headline table as shown in report.md/html: mean ± std over seeds."""
+    rows = []
+    for _, r in headline.iterrows():
+        rows.append({"task": r["task"], "group": r["label"], "rank": fmt(r["rank_in_task"], "int"),
+                     "seeds (runs)": f"{r['seeds']} ({r['runs']})", "metric": r["metric"],
+                     "at N": pm(r, "id_score"), "past N (OOD)": pm(r, "ood_score"),
+                     "extrapolation L": pm(r, "extrapolation_length", "int"),
+                     "L / N": pm(r, "extrapolation_ratio", "ratio"),
+                     "train tok/s": fmt(r["train_tokens_per_s_mean"], "count"),
+                     f"eval tok/s at longest": fmt(r["eval_tokens_per_s_at_longest_mean"], "count"),
+                     "peak MiB at longest": fmt(r["peak_mem_mb_at_longest_mean"], "count"),
+                     "incomplete": str(r["incomplete_runs"]) if r["incomplete_runs"] else ""})
+    return rows
+
+
+def lengths_text(lengths) -> str:
+    return ", ".join(map(str, lengths)) if len(lengths) else "none"
+
+
+# ---- the document: blocks rendered to markdown and to html ------------------------------------
+
+def build_blocks(frame, runs, headline, figures: dict[str, Path], threshold: float, out: Path) -> list:
+    """The report as a list of (kind, content) blocks: h1, h2, p, list, table (list of dicts), figure."""
+    problems = runs[runs["status"] != "ok"]
+    ok_runs = runs[runs["status"] == "ok"]
+    blocks = [("h1", "posbench report")]
+    tasks = ", ".join(f"{t} (N = {', '.join(map(str, sorted(p['train_length'].unique())))}, "
+                      f"lengths {lengths_text(sorted(p['eval_length'].unique()))})"
+                      for t, p in frame.groupby("task"))
+    sources = sorted({str(Path(s).parent) for s in frame["source"]})
+    blocks += [("h2", "What was run"), ("list", [
+        f"{len(runs)} runs ({len(ok_runs)} finished every length, {len(problems)} did not) in "
+        f"{len(headline)} groups; a group is a configuration minus the seed.",
+        f"Tasks: {tasks}.",
+        f"Encodings: {', '.join(sorted(frame['encoding'].unique()))}.",
+        f"Seeds: {', '.join(map(str, sorted(frame['seed'].unique())))}; "
+        f"training steps: {', '.join(map(str, sorted(set(frame['steps']))))}.",
+        f"Models: {'; '.join(sorted(frame['model'].dropna().unique()))}.",
+        f"Devices: {', '.join(sorted(frame['device'].dropna().unique()))}; torch "
+        f"{', '.join(sorted(frame['torch'].dropna().unique()))}; commits "
+        f"{', '.join(sorted({str(c)[:12] for c in frame['git_commit'].dropna()}))}.",
+        f"Rows written {frame['time'].min()} to {frame['time'].max()}, read from {', '.join(sources)}.",
+    ])]
+    blocks += [("h2", "Headline metrics"), ("p",
+        "Per group, mean ± sample standard deviation over seeds ('–': one seed, or nothing measured); "
+        "min, max and n of every score are in headline.csv. At N: the metric at the training length. "
+        "Past N (OOD): the mean of the metric over the evaluated lengths longer than N. "
+        "Extrapolation L: the largest evaluated length up to which the criterion holds at every "
+        "evaluated length (0: not even the shortest); L / N the same as a ratio. Criteria: "
+        + "; ".join(sorted(set(headline["criterion"]))) + ". Throughput and memory are means over seeds; "
+        "rank is the rank of the OOD score within the task."),
+        ("table", headline_rows(headline))]
+    ranking = ranking_table(headline)
+    blocks += [("h2", "Ranking across tasks"), ("p",
+        "Mean reciprocal rank of the OOD score per group label over the tasks it ran on (1 = best "
+        "on every task; ties share the better rank; a group without an OOD score ranks last), as "
+        "Kazemnejad et al. (2023) rank encodings."),
+        ("table", [{"group": r["label"], "MRR": fmt(r["mrr"]), "tasks": str(r["tasks"]),
+                    **{c: fmt(r[c], "int") for c in ranking.columns if c.startswith("rank on ")}}
+                   for _, r in ranking.iterrows()]),
+        ("figure", figures["ranking"], "Mean reciprocal rank of the OOD score across tasks.")]
+    blocks += [("h2", "Figures")]
+    for metric, path in figures.items():
+        if metric in HEADLINE_METRICS:
+            blocks.append(("figure", path, f"{METRIC_LABELS.get(metric, metric)} against evaluation length / N "
+                           "(log2), one panel per task; line: mean over seeds, band: min..max over seeds."))
+    blocks += [("figure", figures["heatmap"], "OOD score (mean over seeds) per group and task."),
+               ("figure", figures["cost"], "Evaluation throughput and peak memory against evaluation length "
+                "(mean over seeds; on CPU the peak is the process's resident high-water mark).")]
+    blocks.append(("h2", "Runs that did not finish every length"))
+    if len(problems):
+        blocks += [("p", "Their measured lengths count in the tables above; missing lengths are left out of "
+                    "the means, end the extrapolation chain, and are counted in the 'incomplete' column."),
+                   ("table", [{"run": r["run_name"], "group": r["label"], "seed": str(r["seed"]),
+                               "status": r["status"], "finished lengths": lengths_text(r["finished_lengths"]),
+                               "missing lengths": lengths_text(r["missing_lengths"]),
+                               "directory": r["source"]} for _, r in problems.iterrows()])]
+    else:
+        blocks.append(("p", "None: every run measured every length of its group."))
+    unreadable = frame.attrs.get("unreadable", [])
+    if unreadable:
+        blocks += [("p", "Unreadable lines, skipped:"), ("list", unreadable)]
+    blocks += [("h2", "Files"), ("list", [
+        "results.csv: every row; summary.csv: per group and evaluation length, mean/std/min/max/n over seeds;",
+        "headline.csv: per group, the headline scores (mean/std/min/max/n over seeds), cost and ranking;",
+        f"figures: {', '.join(p.name for p in figures.values())}; written to {out}."])]
+    return blocks
+
+
+def _md_cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(blocks) -> str:
+    lines = []
+    for kind, *content in blocks:
+        if kind in ("h1", "h2"):
+            lines += [f"{'#' * int(kind[1])} {content[0]}", ""]
+        elif kind == "p":
+            lines += [content[0], ""]
+        elif kind == "list":
+            lines += [f"- {item}" for item in content[0]] + [""]
+        elif kind == "table":
+            rows = content[0]
+            if rows:
+                header = list(rows[0])
+                lines.append("| " + " | ".join(map(_md_cell, header)) + " |")
+                lines.append("|" + "|".join("---" for _ in header) + "|")
+                lines += ["| " + " | ".join(_md_cell(r[c]) for c in header) + " |" for r in rows]
+                lines.append("")
+        elif kind == "figure":
+            path, caption = content
+            lines += [f"![{caption}]({path.name})", "", f"*{caption}*", ""]
+    return "\n".join(lines)
+
+
+HTML_PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>{title}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; max-width: 1200px; margin: 2em auto; padding: 0 1em; color: #222; }}
+table {{ border-collapse: collapse; font-size: 0.85em; margin: 1em 0; }}
+th, td {{ border: 1px solid #ccc; padding: 0.25em 0.5em; text-align: left; }}
+th {{ background: #f3f3f3; }}
+tr:nth-child(even) td {{ background: #fafafa; }}
+figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; }} figcaption {{ font-size: 0.85em; color: #555; }}
+code {{ background: #f3f3f3; padding: 0 0.2em; }}
+</style></head>
+<body>
+{body}
+</body></html>
+"""
+
+
+def _inline(text: str) -> str:
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(str(text)))
+
+
+def render_html(blocks) -> str:
+    """The report as one html file, the figures embedded as base64 PNGs."""
+    parts = []
+    for kind, *content in blocks:
+        if kind in ("h1", "h2"):
+            parts.append(f"<{kind}>{_inline(content[0])}</{kind}>")
+        elif kind == "p":
+            parts.append(f"<p>{_inline(content[0])}</p>")
+        elif kind == "list":
+            parts.append("<ul>" + "".join(f"<li>{_inline(item)}</li>" for item in content[0]) + "</ul>")
+        elif kind == "table" and content[0]:
+            rows = content[0]
+            head = "".join(f"<th>{_inline(c)}</th>" for c in rows[0])
+            body = "".join("<tr>" + "".join(f"<td>{_inline(v)}</td>" for v in r.values()) + "</tr>" for r in rows)
+            parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        elif kind == "figure":
+            path, caption = content
+            data = base64.b64encode(path.read_bytes()).decode("ascii")
+            parts.append(f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
+                         f"<figcaption>{_inline(caption)}</figcaption></figure>")
+    return HTML_PAGE.format(title="posbench report", body="\n".join(parts))
+
+
+# ---- entry point ------------------------------------------------------------------------------
+
+def write_report(paths, out=None, metric: str | None = None, threshold: float = DEFAULT_THRESHOLD) -> Path:
+    """Every file of the report, written to out (default: the first path); returns out."""
+    if metric is not None and metric not in HEADLINE_METRICS:
+        raise ValueError(f"--metric {metric!r} is not a headline metric; choose one of {list(HEADLINE_METRICS)}")
+    if not 0 < threshold <= 1:
+        raise ValueError(f"--threshold {threshold} must be in (0, 1]: it applies to accuracies")
+    frame = collect(paths)
+    if metric is not None and (metric not in frame or frame[metric].isna().all()):
+        present = [m for m in HEADLINE_METRICS if m in frame and frame[m].notna().any()]
+        raise ValueError(f"--metric {metric}: no row measures it; these rows measure {present}")
+    out = Path(out or paths[0])
+    out.mkdir(parents=True, exist_ok=True)
+    frame = add_groups(frame).sort_values(["task", "label", "seed", "eval_length"]).reset_index(drop=True)
+    metrics = task_metrics(frame, metric)
+    runs = run_table(frame, metrics, threshold)
+    summary = summary_table(frame)
+    headline = headline_table(frame, runs, summary, threshold)
+
+    frame.to_csv(out / "results.csv", index=False)
+    summary.to_csv(out / "summary.csv", index=False)
+    headline.to_csv(out / "headline.csv", index=False)
+    figures = {}
+    for shown in sorted(set(metrics.values())):
+        tasks = [t for t, m in metrics.items() if m == shown]
+        figures[shown] = out / f"comparison_{shown}.png"
+        plot_curves(summary[summary["task"].isin(tasks)], figures[shown], shown, threshold)
+    figures["heatmap"] = out / "ood_heatmap.png"
+    plot_heatmap(headline, figures["heatmap"])
+    figures["cost"] = out / "cost.png"
+    plot_cost(summary, figures["cost"])
+    figures["ranking"] = out / "ranking.png"
+    plot_ranking(ranking_table(headline), figures["ranking"])
+    blocks = build_blocks(frame, runs, headline, figures, threshold, out)
+    (out / "report.md").write_text(render_markdown(blocks))
+    (out / "report.html").write_text(render_html(blocks))
+
+    table = headline_rows(headline)
+    columns = ["task", "group", "rank", "seeds (runs)", "at N", "past N (OOD)", "L / N", "incomplete"]
+    print(render_markdown([("table", [{c: r[c] for c in columns} for r in table])]))
+    problems = runs[runs["status"] != "ok"]
+    for _, r in problems.iterrows():
+        print(f"not complete: {r['run_name']} ({r['source']}): {r['status']}; "
+              f"finished {lengths_text(r['finished_lengths'])}")
+    print(f"wrote report.md, report.html, results.csv, summary.csv, headline.csv and "
+          f"{', '.join(p.name for p in figures.values())} to {out}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(prog="python -m posbench.report", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m posbench.report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", help="run or sweep directories (searched for results.jsonl)")
     parser.add_argument("--out", help="output directory (default: the first path)")
-    parser.add_argument("--metric", default="exact_match", choices=sorted(METRIC_LABELS), help="metric plotted")
+    parser.add_argument("--metric", choices=HEADLINE_METRICS,
+                        help="headline metric for every task (default: exact_match where measured, else perplexity)")
+    parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
+                        help=f"accuracy the extrapolation length requires (default {DEFAULT_THRESHOLD})")
     args = parser.parse_args(argv)
-    frame = collect(args.paths)
-    out = Path(args.out or args.paths[0])
-    out.mkdir(parents=True, exist_ok=True)
-    frame = frame.sort_values(["task", "encoding", "seed", "eval_length"])
-    frame.to_csv(out / "results.csv", index=False)
-    plot_comparison(frame, out / f"comparison_{args.metric}.png", args.metric)
-    summary = summarize(frame)
-    summary.to_csv(out / "summary.csv", index=False)
-    print("per (task, encoding), mean over seeds:\n")
-    print(summary.round(3).to_string(index=False), "\n")
-    pivot = frame.pivot_table(index=["task", "encoding"], columns="eval_length", values=args.metric, aggfunc="mean")
-    print(f"{args.metric} (mean over seeds) by evaluation length; {frame['source'].nunique()} runs\n")
-    print(pivot.round(3).to_string())
-    bad = frame[frame["status"] != "ok"]
-    if len(bad):
-        print("\nrows not measured:")
-        print(bad[["source", "eval_length", "status"]].to_string(index=False))
-    print(f"\nwrote results.csv, summary.csv and comparison_{args.metric}.png to {out}")
-    return out
+    try:
+        return write_report(args.paths, args.out, args.metric, args.threshold)
+    except (ValueError, FileNotFoundError) as err:
+        parser.error(str(err))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Result rows: the schema, the append-only writer, collection across runs, and plots.
+"""Result rows: the schema, the append-only writer, collection across runs, and the figures.
 
 One row per (run, evaluation length), appended and flushed as soon as the length is
 measured, so a crash loses nothing already written.
@@ -56,19 +56,23 @@ def find_row_files(paths) -> list[Path]:
 
 
 def collect(paths):
-    """Every row under the given run/sweep directories (or results.jsonl files) -> DataFrame."""
+    """Every row under the given run/sweep directories (or results.jsonl files) -> DataFrame.
+
+    Lines that cannot be parsed (a run killed mid-write) are skipped with a warning and
+    listed in frame.attrs["unreadable"] as "file:line: error"."""
     import pandas as pd
 
     files = find_row_files(paths)
-    rows = []
+    rows, unreadable = [], []
     for file in files:
         for line_no, line in enumerate(file.read_text().splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError as err:  # a run killed mid-write leaves a torn last line
+            except json.JSONDecodeError as err:
                 print(f"warning: skipping unreadable line {line_no} of {file}: {err}")
+                unreadable.append(f"{file}:{line_no}: {err}")
                 continue
             row["source"] = str(file.parent)
             rows.append(row)
@@ -80,16 +84,22 @@ def collect(paths):
             frame[key] = None
     for key in ("encoding_params", "task_params", "model"):
         frame[key] = frame[key].map(lambda v: json.dumps(v, sort_keys=True) if isinstance(v, dict) else v)
+    frame.attrs["unreadable"] = unreadable
     return frame
 
 
-def plot_run(rows: list[dict], path: str | Path) -> None:
-    """The extrapolation curve of one run: its two main metrics against eval/train ratio."""
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_run(rows: list[dict], path: str | Path) -> None:
+    """The extrapolation curve of one run: its two main metrics against eval/train ratio."""
+    plt = _pyplot()
     done = [r for r in rows if r["status"] == "ok"]
     metrics = [m for m in PLOT_METRICS if any(r.get(m) is not None for r in done)][:2] or ["exact_match"]
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.4), squeeze=False,
@@ -97,45 +107,183 @@ def plot_run(rows: list[dict], path: str | Path) -> None:
     first = rows[0]
     for ax, metric in zip(axes[0], metrics):
         ax.plot([r["ratio"] for r in done], [r[metric] for r in done], marker="o")
-        _decorate(ax, metric, first["train_length"])
+        _decorate(ax, metric, first["train_length"], [r["ratio"] for r in rows])
     fig.suptitle(f"{first['encoding']} on {first['task']} (seed {first['seed']}, status {first['status']})")
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def plot_comparison(frame, path: str | Path, metric: str = "exact_match") -> None:
-    """One panel per task, one line per encoding (mean over seeds, band = min..max)."""
-    import matplotlib
+def _line_styles(labels) -> dict:
+    """A (colour, dash) per label: ten colours, then the same colours dashed, dotted, ..."""
+    plt = _pyplot()
+    colors = plt.get_cmap("tab10").colors
+    return {label: (colors[i % 10], ("-", "--", ":", "-.")[i // 10 % 4]) for i, label in enumerate(sorted(labels))}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    measured = frame[frame[metric].notna()]
-    tasks = sorted(frame["task"].unique())
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.6 * len(tasks), 3.6), squeeze=False,
-                             constrained_layout=True)
+def _figure_legend(fig, axes, title: str | None = None) -> None:
+    """One legend for every panel's lines, right of the panels."""
+    handles = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(handles.values(), handles.keys(), loc="outside right upper", fontsize=7, title=title,
+               title_fontsize=7)
+
+
+def plot_curves(summary, path: str | Path, metric: str, threshold: float | None = None) -> None:
+    """One panel per task, one line per group: the mean over seeds of metric against
+    eval/train length (log2 axis), a min..max band over seeds, N marked.
+
+    summary: one row per (group, eval length) with label, task, train_length, ratio,
+    runs and <metric>_mean, _min, _max."""
+    plt = _pyplot()
+    tasks = sorted(summary["task"].unique())
+    styles = _line_styles(summary["label"].unique())
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks) + 2.5, 4.2), squeeze=False,
+                             layout="constrained")
+    several_seeds = summary["runs"].max() > 1
     for ax, task in zip(axes[0], tasks):
-        part = measured[measured["task"] == task]
-        for encoding, curve in part.groupby("encoding"):
-            stats = curve.groupby("ratio")[metric].agg(["mean", "min", "max"]).reset_index()
-            line, = ax.plot(stats["ratio"], stats["mean"], marker="o", ms=3, label=encoding)
-            ax.fill_between(stats["ratio"], stats["min"], stats["max"], color=line.get_color(), alpha=0.15)
-        train_lengths = sorted(frame.loc[frame["task"] == task, "train_length"].unique())
-        _decorate(ax, metric, ", ".join(map(str, train_lengths)))
+        part = summary[summary["task"] == task]
+        for label, curve in part.groupby("label", sort=True):
+            curve = curve.sort_values("ratio")
+            seeds, (color, dash) = int(curve["runs"].max()), styles[label]
+            ax.plot(curve["ratio"], curve[f"{metric}_mean"], marker="o", ms=3, color=color, ls=dash,
+                    label=f"{label} ({seeds} seed{'s' * (seeds > 1)})" if several_seeds else label)
+            if seeds > 1:
+                ax.fill_between(curve["ratio"], curve[f"{metric}_min"], curve[f"{metric}_max"],
+                                color=color, alpha=0.15, lw=0)
+        if threshold is not None and metric in ("exact_match", "token_acc"):
+            ax.axhline(threshold, color="grey", ls=":", lw=1)
+            ax.text(0.99, threshold, f"threshold {threshold:g}", color="grey", fontsize=7, ha="right",
+                    va="bottom", transform=ax.get_yaxis_transform())
+        train_lengths = ", ".join(map(str, sorted(part["train_length"].unique())))
+        _decorate(ax, metric, train_lengths, part["ratio"])
         ax.set_title(task)
-        ax.legend(fontsize=8)
+    _figure_legend(fig, axes[0], "line: mean over seeds\nband: min..max over seeds" if several_seeds
+                   else "one seed per line")
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def _decorate(ax, metric: str, train_length) -> None:
+def plot_heatmap(headline, path: str | Path) -> None:
+    """OOD score (mean over seeds) per group label x task, cells annotated; each task's
+    column coloured on its metric's scale (perplexity-like: log, reversed: light = good)."""
+    import numpy as np
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import LogNorm, Normalize
+
+    from posbench.headline import lower_is_better
+
+    plt = _pyplot()
+    table = headline.pivot_table(index="label", columns="task", values="ood_score_mean", aggfunc="first",
+                                 dropna=False)
+    ran = set(zip(headline["label"], headline["task"]))
+    metric_of = headline.groupby("task")["metric"].first()
+    scales = {}  # metric -> (norm, cmap)
+    for metric in sorted(set(metric_of)):
+        values = headline.loc[headline["metric"] == metric, "ood_score_mean"].to_numpy(dtype=float)
+        finite = values[np.isfinite(values)]
+        if lower_is_better(metric):
+            low, high = (finite.min(), finite.max()) if finite.size and finite.min() > 0 else (1.0, 10.0)
+            norm = LogNorm(low, max(high, low * 1.01))
+        else:
+            norm = Normalize(0, 1)
+        scales[metric] = (norm, plt.get_cmap("viridis_r" if lower_is_better(metric) else "viridis"))
+    colors = np.full((*table.shape, 4), 0.85)
+    for (i, j), v in np.ndenumerate(table.to_numpy(dtype=float)):
+        if np.isfinite(v):
+            norm, cmap = scales[metric_of[table.columns[j]]]
+            colors[i, j] = cmap(norm(v))
+    fig, ax = plt.subplots(figsize=(1.4 * len(table.columns) + 2.5 + 1.3 * len(scales),
+                                    max(2.5, 0.32 * len(table) + 1.5)), layout="constrained")
+    ax.imshow(colors, aspect="auto")
+    for (i, j), v in np.ndenumerate(table.to_numpy(dtype=float)):
+        if np.isfinite(v):
+            text = f"{v:.3g}" if lower_is_better(metric_of[table.columns[j]]) else f"{v:.2f}"
+        else:  # a group that ran but measured nothing past N, or a (group, task) never run
+            text = "–" if (table.index[i], table.columns[j]) in ran else "not run"
+        dark = float(np.dot(colors[i, j, :3], (0.299, 0.587, 0.114))) < 0.5
+        ax.text(j, i, text, ha="center", va="center", fontsize=8, color="white" if dark else "black")
+    ax.set_xticks(range(len(table.columns)), [f"{t}\n({metric_of[t]})" for t in table.columns], fontsize=8)
+    ax.set_yticks(range(len(table.index)), table.index, fontsize=8)
+    ax.set_title("OOD score: mean of the metric past N (mean over seeds; –: nothing measured past N)", fontsize=9)
+    for metric, (norm, cmap) in scales.items():
+        bar = fig.colorbar(ScalarMappable(norm, cmap), ax=ax, shrink=0.8,
+                           label=f"{metric} ({'lower' if lower_is_better(metric) else 'higher'} is better)")
+        bar.ax.yaxis.set_major_formatter(lambda v, _: f"{v:g}")
+        bar.ax.yaxis.set_minor_formatter(lambda v, _: f"{v:g}")  # log scales: label the minor ticks too
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_cost(summary, path: str | Path) -> None:
+    """Evaluation throughput and peak memory against evaluation length, per task and group."""
+    plt = _pyplot()
+    tasks = sorted(summary["task"].unique())
+    styles = _line_styles(summary["label"].unique())
+    mem_kinds = ", ".join(sorted(summary["mem_kind"].dropna().unique())) or "unmeasured"
+    fig, axes = plt.subplots(2, len(tasks), figsize=(5.0 * len(tasks) + 2.5, 6.4), squeeze=False,
+                             layout="constrained")
+    panels = (("eval_tokens_per_s", "evaluation tokens / s"), ("peak_mem_mb", f"peak memory, MiB ({mem_kinds})"))
+    for col, task in enumerate(tasks):
+        part = summary[summary["task"] == task]
+        for row, (column, ylabel) in enumerate(panels):
+            ax = axes[row][col]
+            for label, curve in part.groupby("label", sort=True):
+                curve = curve.sort_values("eval_length")
+                color, dash = styles[label]
+                ax.plot(curve["eval_length"], curve[f"{column}_mean"], marker="o", ms=3, color=color, ls=dash,
+                        label=label)
+            ax.set_xscale("log", base=2)
+            lengths = sorted(part["eval_length"].unique())
+            ax.set_xticks(lengths, [str(n) for n in lengths])
+            ax.minorticks_off()
+            ax.set_xlabel(f"evaluation length ({task} units)")
+            if column == "eval_tokens_per_s":
+                ax.yaxis.set_major_formatter(lambda v, _: f"{v / 1000:,.0f}k")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            if row == 0:
+                ax.set_title(f"{task} (mean over seeds)")
+    _figure_legend(fig, axes.flat)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_ranking(ranking, path: str | Path) -> None:
+    """Mean reciprocal rank of the OOD score across tasks, one bar per group label."""
+    plt = _pyplot()
+    ranking = ranking.sort_values(["mrr", "label"], ascending=[True, False])
+    fig, ax = plt.subplots(figsize=(6.5, max(2.2, 0.3 * len(ranking) + 1.2)), constrained_layout=True)
+    bars = ax.barh(ranking["label"], ranking["mrr"], color="tab:blue")
+    for bar, tasks in zip(bars, ranking["tasks"]):
+        ax.text(bar.get_width() + 0.01, bar.get_y() + bar.get_height() / 2, f"{tasks} task{'s' * (tasks > 1)}",
+                va="center", fontsize=7, color="grey")
+    ax.set_xlim(0, 1.15)
+    if ranking["tasks"].nunique() > 1:
+        ax.set_title("groups ranked on different numbers of tasks: compare those with equal counts", fontsize=8)
+    ax.set_xlabel("mean reciprocal rank of OOD score across tasks (1 = best on every task)")
+    ax.tick_params(axis="y", labelsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _decorate(ax, metric: str, train_length, ratios) -> None:
+    """Log2 ratio axis with ticks at the evaluated ratios, N marked, the metric's scale."""
+    ax.set_xscale("log", base=2)
+    ticks = sorted({float(r) for r in ratios})
+    ax.set_xticks(ticks, [f"{r:g}" for r in ticks])
+    ax.minorticks_off()
     ax.axvline(1.0, color="grey", ls="--", lw=1)
-    ax.text(1.0, 0.97, f" train N={train_length}", color="grey", fontsize=8, va="top",
+    ax.text(1.0, 0.02, f" N={train_length}", color="grey", fontsize=8, va="bottom",
             transform=ax.get_xaxis_transform())
-    ax.set_xlabel("evaluation length / training length")
-    ax.set_ylabel(METRIC_LABELS[metric])
+    ax.set_xlabel("evaluation length / training length N (log2)")
+    ax.set_ylabel(METRIC_LABELS.get(metric, metric))
     if metric in ("exact_match", "token_acc"):
         ax.set_ylim(-0.03, 1.03)
     elif metric.endswith("perplexity"):
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(lambda v, _: f"{v:g}")
+        ax.yaxis.set_minor_formatter(lambda v, _: f"{v:g}" if str(round(v))[0] in "2346" else "")
     ax.grid(alpha=0.3)
