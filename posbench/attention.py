@@ -64,8 +64,10 @@ class SdpaBackend(Backend):
     def attend(self, q, k, v, encoding, q_pos, k_pos, layer, causal):
         scale = encoding.logit_scale(q.shape[-1])
         bias = encoding.bias(q_pos, k_pos, layer)
-        if bias is None:
+        if bias is None and (not causal or q.shape[-2] == k.shape[-2]):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)  # [B, H, L, d]
+        if bias is None:  # queries after a memory: is_causal would align them to the first keys
+            bias = torch.zeros(1, 1, q.shape[-2], k.shape[-2], dtype=q.dtype, device=q.device)  # [1, 1, Lq, Lk]
         mask = bias.to(q.dtype)  # [B', H, Lq, Lk]: 4-D keeps the fused kernel
         if causal:
             mask = mask.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
@@ -99,11 +101,20 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, context: torch.Tensor | None = None,
+                context_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, L, D] at pos [B', L]. Keys and values come from x, or from `context` [B, Lk, D]
+        at context_pos [B', Lk] when given (a memory followed by x, queries aligned to its end)."""
         b, length, d_model = x.shape
         encoding = self.encoding[0]
-        q, k, v = self.qkv(x).view(b, length, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4)  # 3 x [B, H, L, d]
+        if context is None:
+            q, k, v = self.qkv(x).view(b, length, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4)  # 3 x [B, H, L, d]
+            context_pos = pos
+        else:
+            w_q, w_kv = self.qkv.weight.split([d_model, 2 * d_model])
+            q = F.linear(x, w_q).view(b, length, self.n_heads, -1).transpose(1, 2)  # [B, H, L, d]
+            k, v = F.linear(context, w_kv).view(b, context.shape[1], 2, self.n_heads, -1).permute(2, 0, 3, 1, 4)
         if "qk" in encoding.hooks:
-            q, k = encoding.qk(q, k, pos, pos, self.layer)
-        y = self.backend.attend(q, k, v, encoding, pos, pos, self.layer, self.causal)  # [B, H, L, d]
+            q, k = encoding.qk(q, k, pos, context_pos, self.layer)
+        y = self.backend.attend(q, k, v, encoding, pos, context_pos, self.layer, self.causal)  # [B, H, L, d]
         return self.out(y.transpose(1, 2).reshape(b, length, d_model))  # [B, L, D]

@@ -36,8 +36,15 @@ class Block(nn.Module):
                                  nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model))
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x), pos))  # [B, L, D]
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, memory: torch.Tensor | None = None,
+                memory_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, L, D]; memory: [B, M, D] earlier inputs of this block, attended as keys before x."""
+        h = self.norm1(x)  # [B, L, D]
+        if memory is None:
+            x = x + self.drop(self.attn(h, pos))  # [B, L, D]
+        else:
+            context = torch.cat([self.norm1(memory), h], dim=1)  # [B, M + L, D]
+            x = x + self.drop(self.attn(h, pos, context, torch.cat([memory_pos, pos], dim=1)))  # [B, L, D]
         return x + self.drop(self.mlp(self.norm2(x)))  # [B, L, D]
 
 
@@ -72,3 +79,35 @@ class Transformer(nn.Module):
         for block in self.blocks:
             x = block(x, pos)  # [B, L, D]
         return self.head(self.norm(x))  # [B, L, V]
+
+    def check_recurrent(self) -> None:
+        hooks = self.encoding.hooks
+        if "embed" in hooks or (hooks and not self.encoding.relative):  # no hooks at all (nope) is fine
+            raise ValueError(f"segment recurrence needs a relative encoding without an embed hook (positions "
+                             f"restart every segment); encoding {self.encoding.name!r} is not one")
+        if not self.cfg.causal:
+            raise ValueError("segment recurrence needs a causal model (model.causal=true)")
+
+    def forward_recurrent(self, ids: torch.Tensor, memory: list[torch.Tensor] | None,
+                          memory_length: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Transformer-XL segment recurrence (Dai et al. 2019): every block also attends to `memory`,
+        its own inputs over the previous memory_length tokens, held without gradient.
+
+        ids: [B, L]; memory: one [B, M, D] per block, or None at the start of a stream.
+        -> logits [B, L, V] and the next memory (the last memory_length inputs of each block).
+        Positions run 0..M-1 over the memory and M..M+L-1 over the segment: only their
+        differences matter, which is why a relative encoding is required."""
+        self.check_recurrent()
+        if memory_length < 1:
+            raise ValueError(f"memory_length={memory_length}: segment recurrence keeps at least one token")
+        held = 0 if memory is None else memory[0].shape[1]
+        positions = torch.arange(held + ids.shape[1], device=ids.device)[None]  # [1, M + L]
+        memory_pos, pos = positions[:, :held], positions[:, held:]
+        x = self.drop(self.tok(ids))  # [B, L, D]
+        kept = []
+        for i, block in enumerate(self.blocks):
+            layer_memory = None if memory is None else memory[i]
+            inputs = x if layer_memory is None else torch.cat([layer_memory, x], dim=1)  # [B, M + L, D]
+            kept.append(inputs[:, -memory_length:].detach())
+            x = block(x, pos, layer_memory, memory_pos)  # [B, L, D]
+        return self.head(self.norm(x)), kept  # [B, L, V]

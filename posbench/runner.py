@@ -115,6 +115,8 @@ def build(cfg: DictConfig, device: torch.device) -> Built:
     torch.manual_seed(cfg.seed + 1)  # the model's initialisation must not depend on the encoding's table size
     backend = get_backend(cfg.backend.name, encoding)
     model = Transformer(model_cfg, encoding, backend).to(device)
+    if getattr(task, "memory", 0):  # evaluation with segment recurrence: refuse before training
+        model.check_recurrent()
     return Built(task, encoding, model, positions, backend.name, train_length, lengths)
 
 
@@ -186,7 +188,7 @@ def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.devi
         torch.cuda.reset_peak_memory_stats(device)
     gen = torch.Generator(device).manual_seed(int(cfg_eval.seed) + length)
     totals: dict[str, float] = {}
-    timed_tokens, timed_seconds, first = 0, 0.0, None
+    timed_tokens, timed_seconds, first, memory = 0, 0.0, None, None
     batches = task.eval_batches(length, int(cfg_eval.samples), int(cfg_eval.batch_size), gen)
     while True:
         sync(device)
@@ -194,7 +196,12 @@ def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.devi
         batch = next(batches, None)
         if batch is None:
             break
-        logits = model(batch.inputs, built.positions(batch.inputs.shape[1], gen))  # [B, T, V]
+        memory_length = getattr(batch, "memory_length", 0)  # segment recurrence (wikitext task.memory)
+        if memory_length:
+            logits, memory = model.forward_recurrent(batch.inputs, None if batch.new_stream else memory,
+                                                     memory_length)  # [B, T, V]
+        else:
+            logits = model(batch.inputs, built.positions(batch.inputs.shape[1], gen))  # [B, T, V]
         sums = task.batch_sums(logits, batch)
         sync(device)
         if first is None:  # the first batch is warm-up; kept only if it is the only one
@@ -277,7 +284,8 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
     return rows
 
 
-TABLE_METRICS = ("exact_match", "token_acc", "loss", "perplexity", "sliding_perplexity", "bits_per_byte")
+TABLE_METRICS = ("exact_match", "token_acc", "loss", "perplexity", "sliding_perplexity", "recurrent_perplexity",
+                 "bits_per_byte")
 
 
 def print_table(rows: list[dict], trained: dict) -> None:

@@ -13,13 +13,15 @@ Length = the context: the model reads L tokens and predicts each next one.
     evaluation of Press et al. 2022, ALiBi) -> the same metrics prefixed `sliding_`.
   A range that is not a multiple of the window ends with one window aligned to its end whose
   already-scored tokens are masked out.
+  * with `memory` > 0, a third protocol, Transformer-XL segment recurrence (Dai et al. 2019):
+    consecutive segments of L tokens, each block attending also to its own inputs over the
+    previous `memory` tokens (no gradient), one stream from the start of the range; every
+    token scored once -> metrics prefixed `recurrent_`. Needs a relative encoding.
 - perplexity = exp(mean loss over tokens); bits per byte = total loss / (ln 2 x bytes of the
   scored text): the loss / ln 2 for the byte tokenizer, the words' and newlines' bytes for
   the word tokenizer (see tasks.text_data), so the two tokenizers are comparable.
 
-Data and tokenisation live in tasks.text_data. Out of scope, a follow-up: Transformer-XL
-segment-level recurrence (carrying the previous window's hidden states as memory), which
-needs a model with a cache.
+Data and tokenisation live in tasks.text_data.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 from tasks.base import Batch, Task, batch_metrics
 from tasks.text_data import SPLITS, Corpus, TokenIds, check_choice
 
-PROTOCOLS = {"non_overlapping": "", "sliding": "sliding_"}  # protocol -> prefix of its metric keys
+PROTOCOLS = {"non_overlapping": "", "sliding": "sliding_", "recurrent": "recurrent_"}  # -> prefix of its metrics
 
 
 @dataclass
@@ -44,6 +46,8 @@ class WindowBatch(Batch):
     protocol: str = "non_overlapping"
     stream_index: torch.Tensor | None = None  # [B, T] index in the stream of each target token
     byte_counts: torch.Tensor | None = None  # [B, T] bytes of text per target; None: one byte each
+    memory_length: int = 0  # recurrent protocol: tokens of memory the model carries between segments
+    new_stream: bool = False  # recurrent protocol: the first segment, read with no memory
 
 
 def window_plan(targets: int, length: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,11 +72,13 @@ class WikiText(Task):
     def __init__(self, dataset: str = "wikitext-2-v1", data_dir: str | None = None, tokenizer: str = "byte",
                  default_length: int = 64, eval_split: str = "validation", eval_tokens: int | None = 32768,
                  stride: int | None = None, train_tokens: int | None = None, position_bins: int = 16,
-                 cache_dir: str | None = "~/.cache/posbench", causal: bool = True):
+                 cache_dir: str | None = "~/.cache/posbench", memory: int = 0, causal: bool = True):
         if not causal:
             raise ValueError(f"task={self.name}: causal={causal} is not possible; language modelling predicts each "
                              "next token, so it needs a causal decoder (model.causal=true)")
         check_choice("eval_split", eval_split, SPLITS[1:])
+        if int(memory) < 0:
+            raise ValueError(f"task.memory={memory}: tokens of segment-recurrence memory, >= 0 (0: off)")
         for key, value in (("eval_tokens", eval_tokens), ("stride", stride), ("train_tokens", train_tokens)):
             if value is not None and int(value) < 1:
                 raise ValueError(f"task.{key}={value}: must be >= 1, or null")
@@ -85,6 +91,7 @@ class WikiText(Task):
         self.stride = None if stride is None else int(stride)
         self.train_tokens = None if train_tokens is None else int(train_tokens)
         self.position_bins = int(position_bins)
+        self.memory = int(memory)
         # The byte vocabulary is fixed, so building a byte model reads no data; words need the training split.
         self.vocab_size = self.corpus.tokenizer.vocab_size
         self._streams: dict[tuple[str, str], TokenIds] = {}  # (split, device) -> the split's tokens there
@@ -94,7 +101,7 @@ class WikiText(Task):
                 "data_dir": str(self.corpus.data_dir) if self.corpus.data_dir else None,
                 "eval_split": self.eval_split, "eval_tokens": self.eval_tokens, "stride": self.stride,
                 "train_tokens": self.train_tokens, "position_bins": self.position_bins,
-                "vocab_size": self.vocab_size}
+                "memory": self.memory, "vocab_size": self.vocab_size}
 
     def sequence_length(self, length: int) -> int:
         return length
@@ -152,6 +159,20 @@ class WikiText(Task):
                 counts = None if stream.byte_counts is None else stream.byte_counts[index[:, 1:]]  # [B, L]
                 yield WindowBatch(inputs=window[:, :-1], targets=window[:, 1:], loss_mask=mask,
                                   protocol=protocol, stream_index=index[:, 1:], byte_counts=counts)
+        if self.memory:
+            yield from self.recurrent_segments(stream, targets, length)
+
+    def recurrent_segments(self, stream: TokenIds, targets: int, length: int) -> Iterator[WindowBatch]:
+        """Consecutive segments of `length` targets (the last one shorter), one stream, every
+        target scored once; the model carries `memory` tokens of hidden states between them."""
+        for first in range(0, targets, length):
+            index = torch.arange(first, min(first + length, targets) + 1, device=stream.ids.device)[None]  # [1, L + 1]
+            window = stream.ids[index].long()  # [1, L + 1]
+            counts = None if stream.byte_counts is None else stream.byte_counts[index[:, 1:]]  # [1, L]
+            yield WindowBatch(inputs=window[:, :-1], targets=window[:, 1:],
+                              loss_mask=torch.ones_like(window[:, 1:], dtype=torch.bool), protocol="recurrent",
+                              stream_index=index[:, 1:], byte_counts=counts, memory_length=self.memory,
+                              new_stream=first == 0)
 
     def batch_sums(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
         if not isinstance(batch, WindowBatch):  # training batches
@@ -178,6 +199,8 @@ class WikiText(Task):
     def finalize(self, sums: dict[str, float]) -> dict:
         metrics: dict = {"exact_match": None}
         for prefix in PROTOCOLS.values():
+            if f"{prefix}tokens" not in sums:  # recurrent: only with task.memory
+                continue
             tokens, loss_sum = sums[f"{prefix}tokens"], sums[f"{prefix}loss_sum"]
             loss = loss_sum / tokens
             metrics |= {f"{prefix}loss": loss, f"{prefix}perplexity": exp_or_inf(loss),

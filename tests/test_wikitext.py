@@ -125,14 +125,19 @@ def test_window_plan_scores_each_target_once(targets, length, stride):
 
 @pytest.mark.parametrize("tokenizer", ["byte", "word"])
 @pytest.mark.parametrize("length", [3, 8, 13])
-def test_both_protocols_score_every_validation_token_once(no_hub, tmp_path, tokenizer, length):
+def test_every_protocol_scores_every_validation_token_once(no_hub, tmp_path, tokenizer, length):
     task = WikiText(data_dir=write_release(tmp_path / "data"), tokenizer=tokenizer, eval_tokens=None,
-                    cache_dir=tmp_path / "cache", stride=None)
+                    cache_dir=tmp_path / "cache", stride=None, memory=5)
     stream = task.corpus.token_ids("validation").ids.long()
-    counts = {"non_overlapping": torch.zeros(stream.numel(), dtype=torch.long),
-              "sliding": torch.zeros(stream.numel(), dtype=torch.long)}
+    counts = {protocol: torch.zeros(stream.numel(), dtype=torch.long)
+              for protocol in ("non_overlapping", "sliding", "recurrent")}
     for batch in task.eval_batches(length, 0, 2, torch.Generator()):
-        assert isinstance(batch, WindowBatch) and batch.inputs.shape == (batch.inputs.shape[0], length)
+        assert isinstance(batch, WindowBatch)
+        if batch.protocol == "recurrent":  # consecutive segments of one stream, the last one shorter
+            assert batch.inputs.shape[0] == 1 and batch.inputs.shape[1] <= length and batch.memory_length == 5
+            assert batch.new_stream == (batch.stream_index[0, 0] == 1) and batch.loss_mask.all()
+        else:
+            assert batch.inputs.shape == (batch.inputs.shape[0], length) and batch.memory_length == 0
         assert torch.equal(batch.inputs, stream[batch.stream_index - 1])  # inputs precede targets by one
         assert torch.equal(batch.targets, stream[batch.stream_index])
         counts[batch.protocol].index_add_(0, batch.stream_index[batch.loss_mask],
@@ -180,13 +185,13 @@ def test_perplexity_is_exp_of_the_mean_loss_by_hand(no_hub, tmp_path):
     # Mean loss = (7 ln 2 + 9 ln 4) / 16 = 25/16 ln 2 -> perplexity 2^(25/16), 25/16 bits per byte
     # (to rel=1e-5: batch_sums computes the loss in float32).
     data = write_release(tmp_path / "data", {"train": [" x \n"], "valid": ["ab" * 8 + "\n"], "test": [" y \n"]})
-    task = WikiText(data_dir=data, eval_tokens=None, cache_dir=None, stride=2, position_bins=4)
+    task = WikiText(data_dir=data, eval_tokens=None, cache_dir=None, stride=2, position_bins=4, memory=3)
     sums: dict[str, float] = {}
     for batch in task.eval_batches(4, 0, 3, torch.Generator()):
         for key, value in task.batch_sums(fake_logits(batch.targets), batch).items():
             sums[key] = sums.get(key, 0.0) + float(value)
     metrics = task.finalize(sums)
-    for prefix in ("", "sliding_"):
+    for prefix in ("", "sliding_", "recurrent_"):
         assert metrics[f"{prefix}loss"] == pytest.approx(25 / 16 * math.log(2), rel=1e-5)
         assert metrics[f"{prefix}perplexity"] == pytest.approx(2 ** (25 / 16), rel=1e-5)
         assert metrics[f"{prefix}perplexity"] == pytest.approx(math.exp(metrics[f"{prefix}loss"]))
@@ -268,7 +273,7 @@ def test_run_writes_perplexity_rows_and_the_position_figure(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "posbench", "task=wikitext", "experiment=smoke", f"task.data_dir={data}",
          f"task.cache_dir={tmp_path / 'cache'}", "task.default_length=16", "task.eval_tokens=1000",
-         "encoding=alibi", f"hydra.run.dir={run_dir}"],
+         "encoding=alibi", "task.memory=16", f"hydra.run.dir={run_dir}"],
         cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
@@ -278,7 +283,19 @@ def test_run_writes_perplexity_rows_and_the_position_figure(tmp_path):
         assert row["perplexity"] == pytest.approx(math.exp(row["loss"]))
         assert row["bits_per_byte"] == pytest.approx(row["loss"] / math.log(2))
         assert 1 < row["sliding_perplexity"] < 256 and row["eval_tokens"] == 1000
+        assert 1 < row["recurrent_perplexity"] < 256 and row["task_params"]["memory"] == 16
         assert len(row["loss_by_position"]) == 16
         assert row["task_params"]["tokenizer"] == "byte" and row["task_params"]["data_dir"] == str(data)
     assert (run_dir / "loss_by_position.png").stat().st_size > 1000
-    assert "perplexity" in result.stdout
+    assert "recurrent_perplexity" in result.stdout
+
+
+def test_recurrence_with_an_absolute_encoding_fails_before_training(tmp_path):
+    from tests.test_configs import compose_cfg
+    from posbench.runner import build
+
+    data = write_release(tmp_path / "data")
+    cfg = compose_cfg("task=wikitext", "encoding=learned", f"task.data_dir={data}", "task.memory=8",
+                      f"task.cache_dir={tmp_path / 'cache'}")
+    with pytest.raises(ValueError, match="segment recurrence needs a relative encoding.*'learned'"):
+        build(cfg, torch.device("cpu"))

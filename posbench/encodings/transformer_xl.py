@@ -9,9 +9,9 @@ R(t) = [sin(t w_m) ..., cos(t w_m) ...] (sines first, as in the released code; a
 layout is absorbed by W_R), w_m = base^(-2m/D), of size D = d_model; W_R is a per-layer
 D -> D projection split into heads, u and v are learned per head and shared by the
 layers. The distance is signed, so one formula serves causal (i - j >= 0 where it is
-not masked) and bidirectional models. Segment-level recurrence (a memory of the
-previous segment's hidden states) is not implemented: the harness attends within one
-sequence.
+not masked) and bidirectional models. Segment-level recurrence (a memory of the previous
+segments' hidden states) is the model's `forward_recurrent`, used by the WikiText task's
+recurrent evaluation (`task.memory`); it works with every relative encoding.
 
 TENER, head h, unscaled logits:
 
