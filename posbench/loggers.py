@@ -1,8 +1,13 @@
 """Experiment loggers. The results files are the source of truth; a logger mirrors them."""
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
+
+from posbench.headline import HEADLINE_METRICS, primary_metric, run_headline
+
+EVAL_KEYS = ("ratio", *HEADLINE_METRICS, "eval_tokens_per_s", "peak_mem_mb")  # logged per length when measured
 
 
 class NullLogger:
@@ -30,9 +35,10 @@ def wandb_mode(requested: str | None) -> str:
 
 
 class WandbLogger:
-    """Runs are grouped by <encoding>-<task> (seeds together), tagged with encoding, task and
-    N, and carry flat config keys so the runs table sorts and filters by them. Evaluation
-    metrics use eval/length as their x-axis."""
+    """Runs share a group (a sweep's runs: the sweep; a single run: <encoding>-<task>), are
+    tagged with encoding, task, position scheme and N, and carry flat config keys and, at the
+    end, the headline metrics (posbench.headline) as summary keys, so the runs table sorts
+    and filters by them. Evaluation metrics use eval/length as their x-axis."""
 
     def __init__(self, config: dict, run_name: str, group: str, tags: list[str], run_dir: Path,
                  project: str = "posbench", entity: str | None = None, mode: str | None = None,
@@ -52,20 +58,43 @@ class WandbLogger:
         self.run.log({"train/step": step, **{f"train/{k}": v for k, v in metrics.items()}})
 
     def log_eval(self, row: dict) -> None:
-        keys = ("ratio", "exact_match", "token_acc", "loss", "eval_tokens_per_s", "peak_mem_mb")
-        self.run.log({"eval/length": row["eval_length"], **{f"eval/{k}": row[k] for k in keys}})
+        self.run.log({"eval/length": row["eval_length"],
+                      **{f"eval/{k}": row[k] for k in EVAL_KEYS if row.get(k) is not None}})
 
     def finish(self, rows: list[dict], curve_png: Path | None, status: str) -> None:
-        columns = ["eval_length", "ratio", "exact_match", "token_acc", "loss", "eval_tokens_per_s"]
-        table = self.wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
+        columns = ["eval_length", *[k for k in EVAL_KEYS if any(r.get(k) is not None for r in rows)]]
+        table = self.wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])
+        metric = primary_metric(rows)
         payload = {"eval/curve": table,
-                   "eval/curve_plot": self.wandb.plot.line(table, "ratio", "exact_match",
-                                                           title="exact match vs eval/train length")}
+                   "eval/curve_plot": self.wandb.plot.line(table, "ratio", metric,
+                                                           title=f"{metric} vs eval/train length")}
         if curve_png is not None:
             payload["eval/curve_png"] = self.wandb.Image(str(curve_png))
         self.run.log(payload)
+        self.run.summary.update(headline_summary(rows))
         self.run.summary["status"] = status
         self.run.finish(exit_code=0 if status == "ok" else 1)
+
+
+def headline_summary(rows: list[dict]) -> dict:
+    """The run's headline metrics as flat summary keys headline/<name> (NaN as None)."""
+    head = run_headline(rows).as_dict()
+    head["missing_lengths"] = ",".join(map(str, head["missing_lengths"]))
+    return {f"headline/{k}": None if isinstance(v, float) and math.isnan(v) else v for k, v in head.items()}
+
+
+def sweep_group() -> str | None:
+    """In a --multirun, the name its runs share: <experiment>-<sweep dir name>, or the
+    sweep dir name without an experiment; None outside a Hydra multirun."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    hydra_cfg = HydraConfig.get()
+    experiment = hydra_cfg.runtime.choices.get("experiment")
+    sweep = Path(hydra_cfg.sweep.dir).name
+    return f"{experiment}-{sweep}" if experiment not in (None, "null") else sweep
 
 
 def build_logger(cfg, config: dict, run_name: str, run_dir: Path):
@@ -73,7 +102,9 @@ def build_logger(cfg, config: dict, run_name: str, run_dir: Path):
     if name == "none":
         return NullLogger()
     if name == "wandb":
-        tags = [config["encoding"], config["task"], f"N={config['train_length']}", *cfg.tags]
-        return WandbLogger(config, run_name, cfg.group or f"{config['encoding']}-{config['task']}", tags,
-                           run_dir, project=cfg.project, entity=cfg.entity, mode=cfg.mode, dir=cfg.dir)
+        tags = [config["encoding"], config["task"], f"positions={config['positions']}",
+                f"N={config['train_length']}", *cfg.tags]
+        group = cfg.group or sweep_group() or f"{config['encoding']}-{config['task']}"
+        return WandbLogger(config, run_name, group, tags, run_dir, project=cfg.project, entity=cfg.entity,
+                           mode=cfg.mode, dir=cfg.dir)
     raise ValueError(f"unknown logger {name!r}; choose none or wandb")

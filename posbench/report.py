@@ -35,12 +35,28 @@ COST_COLUMNS = ("eval_tokens_per_s", "peak_mem_mb")
 
 
 @cache
-def configured_steps(source: str) -> int | None:
-    """train.steps of the run's config.yaml: a diverged run's rows record the steps it got through."""
+def run_config(source: str) -> dict:
+    """The run directory's resolved config.yaml ({} when absent or unreadable)."""
     try:
-        return int(yaml.safe_load((Path(source) / "config.yaml").read_text())["train"]["steps"])
-    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
-        return None
+        return yaml.safe_load((Path(source) / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+
+
+def configured_steps(source: str) -> int | None:
+    """train.steps the run was given: a diverged run's rows record the steps it got through."""
+    steps = run_config(source).get("train", {}).get("steps")
+    return int(steps) if steps is not None else None
+
+
+def configured_lengths(source: str, train_length: int) -> list[int] | None:
+    """The evaluation lengths the run was configured for (None without its config.yaml)."""
+    from omegaconf import OmegaConf
+
+    from posbench.runner import eval_lengths
+
+    evaluation = run_config(source).get("eval")
+    return eval_lengths(OmegaConf.create(evaluation), train_length) if evaluation else None
 
 
 def _plain(value):
@@ -101,7 +117,8 @@ def task_metrics(frame, metric: str | None) -> dict[str, str]:
 
 
 def run_table(frame, metrics: dict[str, str], threshold: float):
-    """One row per run: its status, the lengths it finished and missed, its headline metrics."""
+    """One row per run: its status, the lengths it finished and those it was configured for
+    but did not measure, its headline metrics."""
     import pandas as pd
 
     grid = frame.groupby("group")["eval_length"].agg(lambda s: sorted({int(n) for n in s}))
@@ -109,7 +126,8 @@ def run_table(frame, metrics: dict[str, str], threshold: float):
     for run_id, part in frame.groupby("run_id", sort=False):
         rows = part.sort_values("eval_length").to_dict("records")
         first = rows[0]
-        expected = grid[first["group"]]
+        # the lengths its config asked for; without config.yaml, those any run of its group has
+        expected = configured_lengths(first["source"], int(first["train_length"])) or grid[first["group"]]
         head = run_headline(rows, metrics[first["task"]], threshold, expected)
         finished = [int(r["eval_length"]) for r in rows if r["status"] == "ok"]
         statuses = [r["status"] for r in rows if r["status"] != "ok"]
@@ -137,12 +155,13 @@ def run_table(frame, metrics: dict[str, str], threshold: float):
 
 
 def summary_table(frame):
-    """One row per (group, evaluation length): runs with a row there, n measured, and
-    mean, std (ddof 1), min, max over seeds of every measured metric and cost."""
+    """One row per (group, evaluation length): the group's runs, n measured at this length,
+    and mean, std (ddof 1), min, max over them of every measured metric and cost."""
     measured = [m for m in (*HEADLINE_METRICS, *COST_COLUMNS) if m in frame and frame[m].notna().any()]
     ok = frame[frame["status"] == "ok"]
     keys = ["group", "label", "task", "encoding", "train_length", "eval_length"]
-    base = frame.groupby(keys, sort=True).agg(ratio=("ratio", "first"), runs=("run_id", "nunique"))
+    base = frame.groupby(keys, sort=True).agg(ratio=("ratio", "first"))
+    base["runs"] = base.index.get_level_values("group").map(frame.groupby("group")["run_id"].nunique())
     base = base.join(ok.groupby(keys).agg(n=("run_id", "nunique"),
                                           mem_kind=("mem_kind", lambda s: ",".join(sorted(set(s.dropna()))))))
     stats = ok.groupby(keys)[measured].agg(["mean", "std", "min", "max"])
