@@ -168,7 +168,7 @@ def test_hierarchical_rejects_bad_alpha(alpha):
 
 
 def test_hierarchical_refuses_positions_past_n_squared():
-    with pytest.raises(ValueError, match=r"4 trained rows to 16 positions.*up to 16"):
+    with pytest.raises(ValueError, match=r"4 trained rows covers 16 positions.*up to 16"):
         REGISTRY["hierarchical"](dims(max_positions=17, train_positions=4))
     enc = REGISTRY["hierarchical"](dims(max_positions=16, train_positions=4))
     x, ids = zeros_input(1)
@@ -277,3 +277,24 @@ def test_floater_eval_cache_follows_parameter_updates():
 def test_floater_rejects_bad_settings(params, message):
     with pytest.raises(ValueError, match=message):
         REGISTRY["floater"](dims(), **params)
+
+
+def test_learned_policy_hierarchical_equals_the_hierarchical_encoding():
+    """The trained rows of a learned table, extended by Su's decomposition at evaluation time."""
+    learned = REGISTRY["learned"](dims(d_model=6, max_positions=30, train_positions=6), policy="hierarchical",
+                                  alpha=0.3).double()
+    hier = REGISTRY["hierarchical"](dims(d_model=6, max_positions=30, train_positions=6), alpha=0.3).double()
+    with torch.no_grad():
+        hier.table.copy_(learned.table[:6])
+    x, pos = torch.zeros(1, 30, 6, dtype=torch.float64), torch.arange(30)[None]
+    out = learned.embed(x, pos, torch.zeros(1, 30, dtype=torch.long))
+    torch.testing.assert_close(out, hier.embed(x, pos, torch.zeros(1, 30, dtype=torch.long)), rtol=0, atol=0)
+    torch.testing.assert_close(out[0, :6], learned.table[:6], rtol=0, atol=0)
+    assert learned.params()["alpha"] == 0.3 and "alpha" not in REGISTRY["learned"](dims()).params()
+
+
+def test_learned_policy_hierarchical_refuses_past_n_squared_and_bad_alpha():
+    with pytest.raises(ValueError, match=r"policy=hierarchical.*4 trained rows covers 16 positions"):
+        REGISTRY["learned"](dims(max_positions=17, train_positions=4), policy="hierarchical")
+    with pytest.raises(ValueError, match="alpha=0.5 is not valid"):
+        REGISTRY["learned"](dims(), policy="hierarchical", alpha=0.5)

@@ -33,6 +33,16 @@ def hierarchical_rows(table: torch.Tensor, pos: torch.Tensor, alpha: float) -> t
     return torch.where((pos < n)[..., None], table[pos.clamp(max=n - 1)], extended)  # [..., D]
 
 
+def check_hierarchical(owner: str, alpha: float, trained: int, max_positions: int) -> None:
+    if not 0 < alpha < 1 or alpha == 0.5:
+        raise ValueError(f"{owner}: alpha={alpha} is not valid; choose 0 < alpha < 1 and alpha != 0.5 "
+                         "(0.5 makes positions (a, b) and (b, a) equal; Su uses 0.4)")
+    if max_positions > trained * trained:
+        raise ValueError(f"{owner}: the hierarchical extension of {trained} trained rows covers {trained * trained} "
+                         f"positions, but the run needs positions up to {max_positions - 1}; lower eval.ratios / "
+                         "eval.lengths or train on longer sequences")
+
+
 class Hierarchical(Encoding):
     name = "hierarchical"
     hooks = frozenset({"embed"})
@@ -40,14 +50,8 @@ class Hierarchical(Encoding):
     def __init__(self, dims: ModelDims, alpha: float = 0.4, init_std: float = 0.02):
         super().__init__(dims)
         alpha = float(alpha)
-        if not 0 < alpha < 1 or alpha == 0.5:
-            raise ValueError(f"hierarchical: alpha={alpha} is not valid; choose 0 < alpha < 1 and alpha != 0.5 "
-                             "(0.5 makes positions (a, b) and (b, a) equal; Su uses 0.4)")
         n = dims.train_positions
-        if dims.max_positions > n * n:
-            raise ValueError(f"hierarchical extends {n} trained rows to {n * n} positions, but the run needs "
-                             f"positions up to {dims.max_positions - 1}; lower eval.ratios / eval.lengths "
-                             "or train on longer sequences")
+        check_hierarchical("hierarchical", alpha, n, dims.max_positions)
         self.alpha, self.init_std = alpha, float(init_std)
         self.table = nn.Parameter(torch.randn(n, dims.d_model) * self.init_std)  # [n, D]
 

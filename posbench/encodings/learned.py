@@ -5,19 +5,24 @@ import torch
 from torch import nn
 
 from posbench.encodings.base import Encoding, ModelDims, check_choice
+from posbench.encodings.hierarchical import check_hierarchical, hierarchical_rows
 
 # error: refuse before training; clamp: reuse the last trained row; random: the untrained
-# (randomly initialised) rows, the standard protocol.
-POLICIES = ("random", "clamp", "error")
+# (randomly initialised) rows, the standard protocol; hierarchical: Su's decomposition of the
+# trained rows (posbench.encodings.hierarchical), n trained rows covering n^2 positions.
+POLICIES = ("random", "clamp", "error", "hierarchical")
 
 
 class Learned(Encoding):
     name = "learned"
     hooks = frozenset({"embed"})
 
-    def __init__(self, dims: ModelDims, policy: str = "random", init_std: float = 0.02):
+    def __init__(self, dims: ModelDims, policy: str = "random", init_std: float = 0.02, alpha: float = 0.4):
         super().__init__(dims)
         check_choice("learned", "policy", policy, POLICIES)
+        self.alpha = float(alpha)
+        if policy == "hierarchical":
+            check_hierarchical("learned (policy=hierarchical)", self.alpha, dims.train_positions, dims.max_positions)
         if policy == "error" and dims.max_positions > dims.train_positions:
             raise ValueError(
                 f"learned encoding with policy=error: evaluation needs positions up to {dims.max_positions - 1} "
@@ -27,7 +32,8 @@ class Learned(Encoding):
         self.table = nn.Parameter(torch.randn(dims.max_positions, dims.d_model) * init_std)  # [P, D]
 
     def params(self) -> dict:
-        return {"policy": self.policy, "rows": self.table.shape[0], "trained_rows": self.dims.train_positions}
+        return {"policy": self.policy, "rows": self.table.shape[0], "trained_rows": self.dims.train_positions,
+                **({"alpha": self.alpha} if self.policy == "hierarchical" else {})}
 
     def embed(self, x: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         pos = pos.long()
@@ -37,4 +43,7 @@ class Learned(Encoding):
                              "the run sized it from eval lengths, so this input is longer than planned")
         if self.policy == "clamp":
             pos = pos.clamp(max=self.dims.train_positions - 1)
+        if self.policy == "hierarchical":
+            trained = self.table[:self.dims.train_positions]  # [n, D]
+            return x + hierarchical_rows(trained, pos, self.alpha).to(x.dtype)  # [B, L, D]
         return x + self.table[pos].to(x.dtype)  # [B, L, D]
