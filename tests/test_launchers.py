@@ -1,0 +1,100 @@
+"""Launcher configs compose as a --multirun composes them; a real joblib sweep and its report;
+the synthetic suite names every encoding and synthetic task."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import initialize_config_dir
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.types import RunMode
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+CORPUS_TASKS = {"wikitext"}  # not synthetic: left out of the suite
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+
+
+def multirun_config(*overrides: str):
+    """The config `python -m posbench -m <overrides>` composes, hydra section included."""
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return GlobalHydra.instance().config_loader().load_configuration(
+            "config", list(overrides), run_mode=RunMode.MULTIRUN)
+
+
+LAUNCHERS = {
+    "slurm": ("SlurmLauncher", {"partition": "gpu", "gpus_per_node": 2, "timeout_min": 30, "array_parallelism": 8,
+                                "cpus_per_task": 6, "mem_gb": 32}),
+    "local": ("LocalLauncher", {"gpus_per_node": 0, "cpus_per_task": 2, "mem_gb": 8, "timeout_min": 5}),
+    "joblib": ("JoblibLauncher", {"n_jobs": 2}),
+}
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_launcher_composes_with_its_documented_keys(launcher):
+    target, settings = LAUNCHERS[launcher]
+    cfg = multirun_config(f"hydra/launcher={launcher}", "experiment=smoke", "encoding=nope,alibi",
+                          *(f"hydra.launcher.{key}={value}" for key, value in settings.items()))
+    assert cfg.hydra.launcher._target_.endswith(target)
+    assert {key: cfg.hydra.launcher[key] for key in settings} == settings
+    assert cfg.train.steps == 20  # the experiment still applies
+
+
+def test_launcher_files_are_ours_or_plugins():
+    assert set(options("hydra/launcher")) == {"slurm", "local"}
+
+
+def test_slurm_defaults_resolve_on_the_command_line():
+    result = subprocess.run([sys.executable, "-m", "posbench", "--cfg", "hydra", "hydra/launcher=slurm",
+                             "hydra.launcher.partition=gpu"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for line in ("partition: gpu", "gpus_per_node: 1", "timeout_min: 60", "array_parallelism: 32",
+                 "cpus_per_task: 4", "mem_gb: 16", "SlurmLauncher"):
+        assert line in result.stdout
+
+
+def test_synthetic_suite_sweeps_every_encoding_task_and_three_seeds():
+    cfg = multirun_config("experiment=synthetic_suite")
+    params = cfg.hydra.sweeper.params
+    synthetic = sorted(set(options("task")) - CORPUS_TASKS)
+    assert sorted(params.encoding.split(",")) == options("encoding"), \
+        "configs/experiment/synthetic_suite.yaml must list every configs/encoding option"
+    assert sorted(params.task.split(",")) == synthetic, \
+        f"configs/experiment/synthetic_suite.yaml must list the synthetic tasks: {','.join(synthetic)}"
+    assert params.seed == "0,1,2"
+    overrides = OverridesParser.create().parse_overrides([f"{key}={value}" for key, value in params.items()])
+    (jobs,) = BasicSweeper.split_arguments(overrides, None)
+    assert len(jobs) == len(options("encoding")) * len(synthetic) * 3
+    assert list(cfg.eval.ratios) == [0.5, 1, 1.5, 2, 3, 4]
+    addition = multirun_config("experiment=synthetic_suite", "task=addition")
+    assert addition.train.length == addition.task.default_length == 8  # N: the task's own
+
+
+def test_smoke_experiment_still_composes():
+    cfg = multirun_config("experiment=smoke", "encoding=nope,alibi")
+    assert cfg.model.d_model and cfg.train.steps == 20 and list(cfg.eval.ratios) == [1, 2]
+
+
+def test_joblib_sweep_runs_in_parallel_and_the_report_reads_it(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = subprocess.run(
+        [sys.executable, "-m", "posbench", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "threads=1",
+         "experiment=smoke", "encoding=nope,alibi", f"hydra.sweep.dir={sweep}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "disabled"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "Joblib.Parallel(n_jobs=2" in result.stdout + result.stderr
+    runs = sorted(p.name for p in sweep.iterdir() if (p / "results.jsonl").exists())
+    assert runs == ["0_encoding=nope,experiment=smoke", "1_encoding=alibi,experiment=smoke"]
+    report = subprocess.run([sys.executable, "-m", "posbench.report", str(sweep)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert report.returncode == 0, report.stderr[-2000:]
+    for name in ("results.csv", "summary.csv", "headline.csv", "report.md", "report.html",
+                 "comparison_exact_match.png", "ood_heatmap.png", "cost.png", "ranking.png"):
+        assert (sweep / name).stat().st_size > 500, name
+    assert "| copy | alibi |" in report.stdout and "| copy | nope |" in report.stdout
