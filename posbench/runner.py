@@ -105,6 +105,10 @@ def build(cfg: DictConfig, device: torch.device) -> Built:
     positions = PositionScheme(cfg.train.positions, cfg.train.max_position or longest)
     positions.check(longest)
     model_cfg = ModelConfig(vocab_size=task.vocab_size, **OmegaConf.to_container(cfg.model))
+    task_causal = getattr(task, "causal", model_cfg.causal)
+    if task_causal != model_cfg.causal:  # a decoder layout read bidirectionally would see its answers
+        raise ValueError(f"task.causal={task_causal} but model.causal={model_cfg.causal}: the task's layout must "
+                         "match the model; set model.causal only (the task follows it by default)")
     dims = ModelDims(d_model=model_cfg.d_model, n_heads=model_cfg.n_heads, n_layers=model_cfg.n_layers,
                      max_positions=positions.max_position,
                      train_positions=positions.max_position if positions.scheme != "sequential"

@@ -98,3 +98,10 @@ def test_task_training_defaults_apply_under_command_line_and_experiments():
     assert compose_cfg("task=wikitext", "train.steps=7", "train.lengths=uniform").train.steps == 7
     assert compose_cfg("task=wikitext", "train.lengths=uniform").train.lengths == "uniform"
     assert compose_cfg("task=wikitext", "experiment=smoke").train.steps == 20
+
+
+def test_task_layout_must_match_the_model():
+    cfg = compose_cfg("task=even_pairs", "model.causal=false", "task.causal=true")
+    with pytest.raises(ValueError, match="task.causal=True but model.causal=False"):
+        build(cfg, torch.device("cpu"))
+    assert build(compose_cfg("task=even_pairs", "model.causal=false"), torch.device("cpu")).task.causal is False
