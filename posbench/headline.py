@@ -14,7 +14,8 @@ its longest evaluated length:
   from N upwards: shorter contexts score worse for lack of context, not of generalisation.
 
 A length that should have been evaluated but was not (a crashed, diverged or partial run)
-ends the extrapolation chain there, is left out of the means, and marks the run incomplete.
+is left out of the means, marks the run incomplete, and ends the extrapolation chain there:
+L is then a lower bound, or NaN when nothing held before the gap (a diverged run).
 Over seeds, every score is summarised as mean, sample std (NaN for one seed), min, max and n.
 """
 from __future__ import annotations

@@ -56,7 +56,10 @@ def configured_lengths(source: str, train_length: int) -> list[int] | None:
     from posbench.runner import eval_lengths
 
     evaluation = run_config(source).get("eval")
-    return eval_lengths(OmegaConf.create(evaluation), train_length) if evaluation else None
+    try:
+        return eval_lengths(OmegaConf.create(evaluation), train_length) if evaluation else None
+    except (AttributeError, KeyError, TypeError, ValueError):  # a config.yaml of another layout
+        return None
 
 
 def _plain(value):
@@ -232,8 +235,8 @@ def fmt(value, kind: str = "score") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
     value = float(value)
-    if kind == "int":
-        return f"{value:.0f}"
+    if kind == "int":  # lengths and ranks; a mean over seeds may fall between
+        return f"{value:.0f}" if value.is_integer() else f"{value:.1f}"
     if kind == "count":
         return f"{value:,.0f}"
     if kind == "ratio":
@@ -261,13 +264,17 @@ def headline_rows(headline):
     return rows
 
 
+def params_text(params_json: str) -> str:
+    return ", ".join(f"{k}={v}" for k, v in json.loads(params_json).items())
+
+
 def lengths_text(lengths) -> str:
     return ", ".join(map(str, lengths)) if len(lengths) else "none"
 
 
 # ---- the document: blocks rendered to markdown and to html ------------------------------------
 
-def build_blocks(frame, runs, headline, figures: dict[str, Path], threshold: float, out: Path) -> list:
+def build_blocks(frame, runs, headline, figures: dict[str, Path], out: Path) -> list:
     """The report as a list of (kind, content) blocks: h1, h2, p, list, table (list of dicts), figure."""
     problems = runs[runs["status"] != "ok"]
     ok_runs = runs[runs["status"] == "ok"]
@@ -283,7 +290,7 @@ def build_blocks(frame, runs, headline, figures: dict[str, Path], threshold: flo
         f"Encodings: {', '.join(sorted(frame['encoding'].unique()))}.",
         f"Seeds: {', '.join(map(str, sorted(frame['seed'].unique())))}; "
         f"training steps: {', '.join(map(str, sorted(set(frame['steps']))))}.",
-        f"Models: {'; '.join(sorted(frame['model'].dropna().unique()))}.",
+        f"Models: {'; '.join(sorted(params_text(m) for m in frame['model'].dropna().unique()))}.",
         f"Devices: {', '.join(sorted(frame['device'].dropna().unique()))}; torch "
         f"{', '.join(sorted(frame['torch'].dropna().unique()))}; commits "
         f"{', '.join(sorted({str(c)[:12] for c in frame['git_commit'].dropna()}))}.",
@@ -302,16 +309,20 @@ def build_blocks(frame, runs, headline, figures: dict[str, Path], threshold: flo
     blocks += [("h2", "Ranking across tasks"), ("p",
         "Mean reciprocal rank of the OOD score per group label over the tasks it ran on (1 = best "
         "on every task; ties share the better rank; a group without an OOD score ranks last), as "
-        "Kazemnejad et al. (2023) rank encodings."),
+        "Kazemnejad et al. (2023) rank encodings; a rank is among this report's groups on that task."
+        + (" Groups ran on different numbers of tasks here: compare MRRs only between groups ranked on "
+           "the same tasks." if headline["tasks"].nunique() > 1 else "")),
         ("table", [{"group": r["label"], "MRR": fmt(r["mrr"]), "tasks": str(r["tasks"]),
                     **{c: fmt(r[c], "int") for c in ranking.columns if c.startswith("rank on ")}}
                    for _, r in ranking.iterrows()]),
         ("figure", figures["ranking"], "Mean reciprocal rank of the OOD score across tasks.")]
     blocks += [("h2", "Figures")]
+    lines = ("line: mean over seeds, band: min..max over seeds" if headline["runs"].max() > 1
+             else "one seed per line")
     for metric, path in figures.items():
         if metric in HEADLINE_METRICS:
             blocks.append(("figure", path, f"{METRIC_LABELS.get(metric, metric)} against evaluation length / N "
-                           "(log2), one panel per task; line: mean over seeds, band: min..max over seeds."))
+                           f"(log2), one panel per task; {lines}."))
     blocks += [("figure", figures["heatmap"], "OOD score (mean over seeds) per group and task."),
                ("figure", figures["cost"], "Evaluation throughput and peak memory against evaluation length "
                 "(mean over seeds; on CPU the peak is the process's resident high-water mark).")]
@@ -440,7 +451,7 @@ def write_report(paths, out=None, metric: str | None = None, threshold: float = 
     plot_cost(summary, figures["cost"])
     figures["ranking"] = out / "ranking.png"
     plot_ranking(ranking_table(headline), figures["ranking"])
-    blocks = build_blocks(frame, runs, headline, figures, threshold, out)
+    blocks = build_blocks(frame, runs, headline, figures, out)
     (out / "report.md").write_text(render_markdown(blocks))
     (out / "report.html").write_text(render_html(blocks))
 
