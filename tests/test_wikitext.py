@@ -253,6 +253,26 @@ def test_hub_failure_without_data_dir_says_both_fixes(monkeypatch):
     assert "POSBENCH_WIKITEXT_DIR" in message and "go online" in message
 
 
+def test_hub_path_asks_for_the_named_config_and_split_and_matches_the_files(monkeypatch, tmp_path):
+    """Online, rows come from datasets.load_dataset("Salesforce/wikitext", <config>, split=...);
+    stood in here by the tiny release's hub-format rows, they give the ids the files give."""
+    import datasets
+
+    calls = []
+    splits = {"train": "train", "validation": "valid", "test": "test"}
+
+    def hub(repo, config, split):
+        calls.append((repo, config, split))
+        return {"text": [hub_row(line) for line in TINY[splits[split]]]}
+
+    monkeypatch.setattr(datasets, "load_dataset", hub)
+    online = Corpus("wikitext-2-raw-v1", None, "word", None)
+    offline = Corpus("wikitext-2-v1", write_release(tmp_path / "data"), "word", None)
+    assert torch.equal(online.token_ids("validation").ids, offline.token_ids("validation").ids)
+    assert ("Salesforce/wikitext", "wikitext-2-raw-v1", "validation") in calls
+    assert ("Salesforce/wikitext", "wikitext-2-raw-v1", "train") in calls  # the word vocabulary
+
+
 def test_data_dir_without_the_files_says_what_is_missing(tmp_path):
     write_release(tmp_path)
     with pytest.raises(DataUnavailableError, match=r"(?s)no wiki.train.raw.*set task.dataset=wikitext-2-v1"):
