@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 DEFAULT_THRESHOLD = 0.9
 RELATIVE_TOLERANCE = 0.10  # lower-is-better metrics: within 10% of the value at N
 LOWER_IS_BETTER = ("loss", "perplexity", "bits_per_byte", "sliding_loss", "sliding_perplexity",
-                   "sliding_bits_per_byte")
-HIGHER_IS_BETTER = ("exact_match", "token_acc", "sliding_token_acc")
+                   "sliding_bits_per_byte", "recurrent_loss", "recurrent_perplexity", "recurrent_bits_per_byte")
+HIGHER_IS_BETTER = ("exact_match", "token_acc", "sliding_token_acc", "recurrent_token_acc")
 HEADLINE_METRICS = (*HIGHER_IS_BETTER, *LOWER_IS_BETTER)
 PRIMARY_METRICS = ("exact_match", "perplexity", "token_acc", "loss")  # a task's headline: the first it measures
 SCORES = ("id_score", "ood_score", "extrapolation_length", "extrapolation_ratio")

@@ -14,7 +14,9 @@ METRICS = ("exact_match", "token_acc", "loss")
 METRIC_LABELS = {"exact_match": "exact-match accuracy", "token_acc": "token accuracy", "loss": "loss",
                  "perplexity": "perplexity", "bits_per_byte": "bits per byte",
                  "sliding_perplexity": "perplexity (sliding window)",
-                 "sliding_bits_per_byte": "bits per byte (sliding window)"}
+                 "sliding_bits_per_byte": "bits per byte (sliding window)",
+                 "recurrent_perplexity": "perplexity (segment recurrence)",
+                 "recurrent_bits_per_byte": "bits per byte (segment recurrence)"}
 PLOT_METRICS = ("exact_match", "perplexity", "token_acc", "loss")  # a run's curve shows the first two it has
 # Every row carries these keys (metrics may be None for a length that was not measured).
 SCHEMA = (
