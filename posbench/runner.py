@@ -231,6 +231,7 @@ def flat_config(cfg: DictConfig, built: Built) -> dict:
             "positions": built.positions.scheme, "max_position": built.positions.max_position,
             "steps": int(cfg.train.steps), "d_model": built.model.cfg.d_model,
             "n_layers": built.model.cfg.n_layers, "n_heads": built.model.cfg.n_heads,
+            "causal": built.model.cfg.causal,
             **{f"encoding.{k}": v for k, v in built.encoding.params().items()},
             "config": OmegaConf.to_container(cfg, resolve=True)}
 
