@@ -27,7 +27,7 @@ from posbench.headline import (DEFAULT_THRESHOLD, HEADLINE_METRICS, SCORES, crit
 from posbench.results import METRIC_LABELS, collect, plot_cost, plot_curves, plot_heatmap, plot_ranking
 
 # Row columns that define a configuration besides task, encoding and the three parameter dicts.
-SETTING_COLUMNS = ("backend", "train_length", "train_lengths", "positions", "max_position", "steps")
+SETTING_COLUMNS = ("backend", "train_length", "train_lengths", "positions", "max_position", "steps", "init_steps")
 PARAM_COLUMNS = {"encoding_params": "encoding.", "task_params": "task.", "model": "model."}
 IGNORED_PARAMS = ("task.data_dir", "task.cache_dir")  # where the data lives, not what it is
 SHORT_NAMES = {"train_length": "N"}

@@ -21,10 +21,11 @@ PLOT_METRICS = ("exact_match", "perplexity", "token_acc", "loss")  # a run's cur
 # Every row carries these keys (metrics may be None for a length that was not measured).
 SCHEMA = (
     "run_id", "run_name", "status", "encoding", "encoding_params", "task", "task_params", "model",
-    "backend", "seed", "train_length", "train_sequence_length", "train_lengths", "positions", "max_position", "train_steps", "train_seconds",
+    "backend", "seed", "train_length", "train_sequence_length", "train_lengths", "positions", "max_position",
+    "train_steps", "train_seconds",
     "eval_length", "eval_sequence_length", "ratio", "samples", *METRICS,
     "train_tokens_per_s", "eval_tokens_per_s", "peak_mem_mb", "mem_kind", "device", "torch",
-    "git_commit", "time",
+    "git_commit", "time", "init_from", "init_steps",
 )
 
 
@@ -84,6 +85,7 @@ def collect(paths):
     for key in SCHEMA:  # rows written by an older version may lack newer keys
         if key not in frame:
             frame[key] = None
+    frame["init_steps"] = frame["init_steps"].fillna(0).astype(int)  # older rows: trained from scratch
     for key in ("encoding_params", "task_params", "model"):
         frame[key] = frame[key].map(lambda v: json.dumps(v, sort_keys=True) if isinstance(v, dict) else v)
     frame.attrs["unreadable"] = unreadable

@@ -26,6 +26,7 @@ from posbench.results import RowWriter, plot_run
 from tasks.base import Task
 
 TRAIN_LENGTH_MODES = ("uniform", "fixed")
+CHECKPOINT_FILE = "checkpoint.pt"
 TIMING_WARMUP_STEPS = 10
 UNMEASURED = {"exact_match": None, "token_acc": None, "loss": None, "eval_tokens_per_s": None,
               "peak_mem_mb": None, "mem_kind": None}  # a length that was not evaluated
@@ -91,6 +92,8 @@ class Built:
     backend: str  # the backend actually used (backend=auto resolved)
     train_length: int
     lengths: list[int]
+    init_from: str | None = None  # the checkpoint loaded before training (train.init_from)
+    init_steps: int = 0  # its training steps
 
 
 def build(cfg: DictConfig, device: torch.device) -> Built:
@@ -121,7 +124,46 @@ def build(cfg: DictConfig, device: torch.device) -> Built:
     model = Transformer(model_cfg, encoding, backend).to(device)
     if getattr(task, "memory", 0):  # evaluation with segment recurrence: refuse before training
         model.check_recurrent()
-    return Built(task, encoding, model, positions, backend.name, train_length, lengths)
+    init_from = str(checkpoint_path(cfg.train.init_from)) if cfg.train.get("init_from") else None
+    init_steps = load_initial_weights(model, init_from, cfg, device) if init_from else 0
+    return Built(task, encoding, model, positions, backend.name, train_length, lengths, init_from, init_steps)
+
+
+def checkpoint_path(init_from: str) -> Path:
+    path = Path(str(init_from)).expanduser()
+    if path.is_dir():
+        path = path / CHECKPOINT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"train.init_from={init_from}: no checkpoint there (give a {CHECKPOINT_FILE} "
+                                "or the run directory holding one; runs save it unless train.save_checkpoint=false)")
+    return path
+
+
+def load_initial_weights(model: Transformer, path: str, cfg: DictConfig, device: torch.device) -> int:
+    """Loads a checkpoint (train.init_from) into the model; returns the training steps it had.
+
+    The checkpoint must hold the same encoding and architecture. With train.steps=0 the
+    run only evaluates, so it must keep the checkpoint's N: scalings and ratios refer to it."""
+    checkpoint = torch.load(path, map_location=device, weights_only=True)
+    saved = checkpoint["config"]
+    if saved["encoding"]["_target_"] != cfg.encoding._target_:
+        raise ValueError(f"train.init_from={path} holds a model with encoding {saved['encoding']['_target_']}, "
+                         f"not {cfg.encoding._target_}: choose the encoding it was trained with")
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    differ = [f"model.{key}={model_cfg.get(key)} (checkpoint: {value})"
+              for key, value in saved["model"].items() if model_cfg.get(key) != value]
+    if differ:
+        raise ValueError(f"train.init_from={path} was trained with another model: {', '.join(differ)}")
+    if cfg.train.steps == 0 and int(saved["train"]["length"]) != int(cfg.train.length):
+        raise ValueError(f"train.length={cfg.train.length} but {path} was trained at N={saved['train']['length']}; "
+                         "an evaluation-only run (train.steps=0) must keep the checkpoint's N")
+    try:
+        model.load_state_dict(checkpoint["model"])
+    except RuntimeError as err:  # names the missing, unexpected and mis-shaped tensors
+        raise ValueError(f"train.init_from={path} does not fit this model (the task's vocabulary and the "
+                         f"encoding's parameters must match the checkpoint's, task {saved['task']['_target_']}): "
+                         f"{err}") from err
+    return int(checkpoint.get("steps", saved["train"]["steps"]))
 
 
 def check_choice_value(key: str, value, choices) -> None:
@@ -229,9 +271,9 @@ def flat_config(cfg: DictConfig, built: Built) -> dict:
     return {"encoding": built.encoding.name, "task": built.task.name, "train_length": built.train_length,
             "seed": int(cfg.seed), "backend": built.backend, "train_lengths": cfg.train.lengths,
             "positions": built.positions.scheme, "max_position": built.positions.max_position,
-            "steps": int(cfg.train.steps), "d_model": built.model.cfg.d_model,
-            "n_layers": built.model.cfg.n_layers, "n_heads": built.model.cfg.n_heads,
-            "causal": built.model.cfg.causal,
+            "steps": int(cfg.train.steps), "init_from": built.init_from, "init_steps": built.init_steps,
+            "d_model": built.model.cfg.d_model, "n_layers": built.model.cfg.n_layers,
+            "n_heads": built.model.cfg.n_heads, "causal": built.model.cfg.causal,
             **{f"encoding.{k}": v for k, v in built.encoding.params().items()},
             "config": OmegaConf.to_container(cfg, resolve=True)}
 
@@ -255,14 +297,14 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
         "train_length": built.train_length, "train_sequence_length": built.task.sequence_length(built.train_length),
         "train_lengths": cfg.train.lengths, "positions": built.positions.scheme,
         "max_position": built.positions.max_position, "device": str(device), "torch": torch.__version__,
-        "git_commit": git_commit(),
+        "git_commit": git_commit(), "init_from": built.init_from, "init_steps": built.init_steps,
     }
     n_params = sum(p.numel() for p in built.model.parameters())
     print(f"{run_name}: {n_params:,} parameters on {device}; evaluating lengths {built.lengths}; writing {run_dir}")
     trained = train(built, cfg, device, logger)
-    if cfg.train.save_checkpoint and trained["status"] == "ok":
-        torch.save({"model": built.model.state_dict(), "config": OmegaConf.to_container(cfg, resolve=True)},
-                   run_dir / "checkpoint.pt")
+    if cfg.train.save_checkpoint and trained["status"] == "ok" and trained["steps"]:
+        torch.save({"model": built.model.state_dict(), "config": OmegaConf.to_container(cfg, resolve=True),
+                    "steps": built.init_steps + trained["steps"]}, run_dir / CHECKPOINT_FILE)
     base |= {"train_steps": trained["steps"], "train_seconds": round(trained["seconds"], 2),
              "train_tokens_per_s": trained["tokens_per_s"]}
     rows = []

@@ -1,0 +1,78 @@
+"""train.init_from: evaluate (train.steps=0) or fine-tune a saved checkpoint."""
+import pytest
+import torch
+
+from posbench.runner import build, run
+from tests.test_configs import compose_cfg
+
+SMOKE = ("experiment=smoke", "encoding=rope", "task=copy", "threads=1")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("trained")
+    rows = run(compose_cfg(*SMOKE), run_dir)
+    return run_dir, rows
+
+
+def metrics(rows):
+    return [(r["eval_length"], r["exact_match"], r["token_acc"], r["loss"]) for r in rows]
+
+
+def test_evaluation_only_reproduces_the_trained_run(trained, tmp_path):
+    run_dir, rows = trained
+    again = run(compose_cfg(*SMOKE, f"train.init_from={run_dir}", "train.steps=0"), tmp_path)
+    assert metrics(again) == metrics(rows)  # same weights, same evaluation data
+    assert {(r["train_steps"], r["init_steps"], r["init_from"]) for r in again} == {
+        (0, 20, str(run_dir / "checkpoint.pt"))}
+    assert {(r["train_steps"], r["init_steps"], r["init_from"]) for r in rows} == {(20, 0, None)}
+    assert not (tmp_path / "checkpoint.pt").exists()  # nothing new to save
+
+
+def test_scaling_changes_only_lengths_past_n(trained, tmp_path):
+    run_dir, rows = trained
+    scaled = run(compose_cfg(*SMOKE, f"train.init_from={run_dir}", "train.steps=0", "encoding.scaling=pi"),
+                 tmp_path)
+    assert metrics(scaled)[0] == metrics(rows)[0]  # at N: no scaling
+    assert scaled[1]["loss"] != rows[1]["loss"]  # at 2N: positions interpolated by 1/2
+    assert scaled[0]["encoding_params"]["scaling"] == "pi"
+
+
+def test_fine_tuning_counts_the_checkpoint_steps(trained, tmp_path):
+    run_dir, _ = trained
+    rows = run(compose_cfg(*SMOKE, f"train.init_from={run_dir / 'checkpoint.pt'}", "train.steps=5"), tmp_path)
+    assert {(r["train_steps"], r["init_steps"]) for r in rows} == {(5, 20)}
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["steps"] == 25
+
+
+def test_missing_checkpoint_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"train.init_from={tmp_path}: no checkpoint there"):
+        build(compose_cfg(*SMOKE, f"train.init_from={tmp_path}"), torch.device("cpu"))
+
+
+def test_other_encoding_is_refused(trained):
+    run_dir, _ = trained
+    cfg = compose_cfg(*SMOKE[:1], "encoding=alibi", "task=copy", f"train.init_from={run_dir}")
+    with pytest.raises(ValueError, match="encoding posbench.encodings.rope.RoPE, not posbench.encodings.alibi"):
+        build(cfg, torch.device("cpu"))
+
+
+def test_other_model_is_refused(trained):
+    run_dir, _ = trained
+    cfg = compose_cfg(*SMOKE, "model.d_model=32", f"train.init_from={run_dir}")
+    with pytest.raises(ValueError, match=r"another model: model.d_model=32 \(checkpoint: 16\)"):
+        build(cfg, torch.device("cpu"))
+
+
+def test_other_vocabulary_is_refused(trained):
+    run_dir, _ = trained
+    cfg = compose_cfg(*SMOKE, "task.symbols=5", f"train.init_from={run_dir}")
+    with pytest.raises(ValueError, match="(?s)does not fit this model.*size mismatch for tok.weight"):
+        build(cfg, torch.device("cpu"))
+
+
+def test_evaluation_only_must_keep_n(trained):
+    run_dir, _ = trained
+    cfg = compose_cfg(*SMOKE, f"train.init_from={run_dir}", "train.steps=0", "train.length=8")
+    with pytest.raises(ValueError, match="train.length=8 but .* was trained at N=16"):
+        build(cfg, torch.device("cpu"))
