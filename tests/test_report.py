@@ -225,6 +225,23 @@ def test_html_is_self_contained(report):
     assert "rope base=500" in page and "±" in page
 
 
+def test_runs_from_a_checkpoint_form_their_own_group(tmp_path):
+    """Rows written before init_steps existed read as trained from scratch (init_steps 0)."""
+    old = write_run(tmp_path, "old", "alibi", 0, {2: 1.0, 4: 1.0, 6: 0.5, 8: 0.1})
+    rows = [json.loads(line) for line in (old / "results.jsonl").read_text().splitlines()]
+    (old / "results.jsonl").write_text("".join(json.dumps({k: v for k, v in row.items() if k != "init_steps"}) + "\n"
+                                               for row in rows))
+    for name, seed, init_steps in (("new", 1, 0), ("tuned", 0, 40)):
+        run_dir = write_run(tmp_path, name, "alibi", seed, {2: 1.0, 4: 1.0, 6: 0.7, 8: 0.3})
+        rows = [json.loads(line) | {"init_steps": init_steps} for line in (run_dir / "results.jsonl").open()]
+        (run_dir / "results.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    headline = read(write_report([tmp_path], out=tmp_path / "report"), "headline.csv").set_index("label")
+    assert sorted(headline.index) == ["alibi init_steps=0", "alibi init_steps=40"]
+    assert headline.loc["alibi init_steps=0", "seeds"] == "0,1"
+    assert headline.loc["alibi init_steps=0", "ood_score_mean"] == pytest.approx((0.3 + 0.5) / 2)
+    assert headline.loc["alibi init_steps=40", "runs"] == 1
+
+
 def test_one_run_one_seed_and_language_model_rows(tmp_path):
     run_dir = tmp_path / "lm"
     writer = RowWriter(run_dir)
