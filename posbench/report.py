@@ -81,7 +81,8 @@ def settings(row) -> dict:
         params = json.loads(row[column]) if isinstance(row[column], str) else {}
         flat |= {f"{prefix}{key}": _plain(v) for key, v in params.items()}
     flat |= {column: _plain(row[column]) for column in SETTING_COLUMNS}
-    return {key: v for key, v in flat.items() if key not in IGNORED_PARAMS}
+    # a null setting is one not set: rows written before a parameter existed group with those that leave it null
+    return {key: v for key, v in flat.items() if key not in IGNORED_PARAMS and v is not None}
 
 
 def add_groups(frame):

@@ -226,13 +226,15 @@ def test_html_is_self_contained(report):
 
 
 def test_runs_from_a_checkpoint_form_their_own_group(tmp_path):
-    """Rows written before init_steps existed read as trained from scratch (init_steps 0)."""
+    """Rows written before init_steps existed read as trained from scratch (init_steps 0), and
+    before a parameter existed as leaving it null."""
     old = write_run(tmp_path, "old", "alibi", 0, {2: 1.0, 4: 1.0, 6: 0.5, 8: 0.1})
     rows = [json.loads(line) for line in (old / "results.jsonl").read_text().splitlines()]
     (old / "results.jsonl").write_text("".join(json.dumps({k: v for k, v in row.items() if k != "init_steps"}) + "\n"
                                                for row in rows))
     for name, seed, init_steps in (("new", 1, 0), ("tuned", 0, 40)):
-        run_dir = write_run(tmp_path, name, "alibi", seed, {2: 1.0, 4: 1.0, 6: 0.7, 8: 0.3})
+        run_dir = write_run(tmp_path, name, "alibi", seed, {2: 1.0, 4: 1.0, 6: 0.7, 8: 0.3},
+                            encoding_params={"added_later": None})
         rows = [json.loads(line) | {"init_steps": init_steps} for line in (run_dir / "results.jsonl").open()]
         (run_dir / "results.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     headline = read(write_report([tmp_path], out=tmp_path / "report"), "headline.csv").set_index("label")

@@ -187,7 +187,8 @@ def test_no_scaling_ignores_the_evaluation_length():
     original = enc.inv_freq.clone()
     enc.set_eval_length(64, 512)
     assert torch.equal(enc.inv_freq, original) and enc.attention_factor == 1.0
-    assert enc.params() == {"base": 10000.0, "layout": "half", "scaling": "none", "scaling_factor": None}
+    assert enc.params() == {"base": 10000.0, "layout": "half", "scaling": "none", "scaling_factor": None,
+                            "original_positions": None}
 
 
 def test_forced_scaling_factor_replaces_the_length_ratio():
@@ -196,6 +197,29 @@ def test_forced_scaling_factor_replaces_the_length_ratio():
     torch.testing.assert_close(enc.inv_freq, rope_inv_freq(HEAD_DIM) / 2, rtol=0, atol=0)
     enc.set_eval_length(16, 16)  # within the training length: unscaled
     torch.testing.assert_close(enc.inv_freq, rope_inv_freq(HEAD_DIM), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("scaling", SCALED)
+def test_original_positions_scale_training_and_evaluation(scaling):
+    """Fine-tuning at 32 tokens a model first trained at 16: the scaling acts against 16 in
+    training (s = 2) and at every evaluation length past 16, and not at or below it."""
+    enc = RoPE(dims(train_positions=32), scaling=scaling, original_positions=16)
+    enc.train()
+    expected, factor = SCALINGS[scaling](HEAD_DIM, 10000.0, 16, 32)
+    torch.testing.assert_close(enc.inv_freq, expected, rtol=0, atol=0)
+    assert enc.attention_factor == factor
+    enc.eval()
+    enc.set_eval_length(32, 128)
+    torch.testing.assert_close(enc.inv_freq, SCALINGS[scaling](HEAD_DIM, 10000.0, 16, 128)[0],
+                               rtol=0, atol=0)
+    enc.set_eval_length(32, 16)
+    assert torch.equal(enc.inv_freq, rope_inv_freq(HEAD_DIM)) and enc.attention_factor == 1.0
+    assert enc.params()["original_positions"] == 16
+
+
+def test_pi_fine_tuning_halves_the_frequencies():
+    enc = RoPE(dims(train_positions=32), scaling="pi", original_positions=16).train()
+    torch.testing.assert_close(enc.inv_freq, rope_inv_freq(HEAD_DIM) / 2, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
@@ -222,6 +246,8 @@ def test_buffer_keeps_the_module_dtype():
     ({"scaling": "bogus"}, r"scaling='bogus' is not valid; choose one of \['none', 'pi'"),
     ({"scaling_factor": 2.0}, "no effect with scaling=none"),
     ({"scaling": "pi", "scaling_factor": 0.5}, "must be >= 1"),
+    ({"original_positions": 16}, r"original_positions=16 needs a scaling among \['pi'"),
+    ({"scaling": "pi", "original_positions": 0}, "a value >= 1"),
 ])
 def test_bad_scaling_options_are_refused(params, message):
     with pytest.raises(ValueError, match=message):
@@ -241,7 +267,8 @@ def test_scaling_is_set_from_the_command_line():
 
     built = build(compose_cfg("encoding=rope", "encoding.scaling=yarn", "encoding.scaling_factor=4"),
                   torch.device("cpu"))
-    assert built.encoding.params() == {"base": 10000.0, "layout": "half", "scaling": "yarn", "scaling_factor": 4.0}
+    assert built.encoding.params() == {"base": 10000.0, "layout": "half", "scaling": "yarn", "scaling_factor": 4.0,
+                                       "original_positions": None}
 
 
 # --- HF transformers ROPE_INIT_FUNCTIONS -------------------------------------------------------

@@ -135,14 +135,17 @@ class RoPE(Encoding):
     """scaling: applied by set_eval_length for evaluation lengths beyond the training length only;
     training and evaluation within the training length use the unscaled frequencies.
     scaling_factor: forces s for pi / ntk / yarn (instead of L / N) at every evaluation length
-    beyond training; for dynamic_ntk it is transformers' `factor` f (default 1)."""
+    beyond training; for dynamic_ntk it is transformers' `factor` f (default 1).
+    original_positions: the context (tokens) the frequencies were first trained at, for
+    fine-tuning a checkpoint at a longer N as Chen et al. do: the scaling then acts against
+    it, in training (s = this run's training positions / original_positions) and evaluation."""
 
     name = "rope"
     hooks = frozenset({"qk"})
     relative = True
 
     def __init__(self, dims: ModelDims, base: float = 10000.0, layout: str = "half", scaling: str = "none",
-                 scaling_factor: float | None = None):
+                 scaling_factor: float | None = None, original_positions: int | None = None):
         super().__init__(dims)
         check_choice("rope", "layout", layout, LAYOUTS)
         check_choice("rope", "scaling", scaling, SCALINGS)
@@ -155,6 +158,10 @@ class RoPE(Encoding):
                              f"choose a scaling among {[s for s in SCALINGS if s != 'none']} or drop the factor")
         if scaling_factor is not None and not scaling_factor >= 1:
             raise ValueError(f"rope: scaling_factor={scaling_factor} must be >= 1 (it stretches positions)")
+        if original_positions is not None and (scaling == "none" or not original_positions >= 1):
+            raise ValueError(f"rope: original_positions={original_positions} needs a scaling among "
+                             f"{[s for s in SCALINGS if s != 'none']} and a value >= 1 (tokens)")
+        self.original_positions = None if original_positions is None else int(original_positions)
         self.base, self.layout, self.scaling = float(base), layout, scaling
         self.scaling_factor = None if scaling_factor is None else float(scaling_factor)
         SCALINGS[scaling](dims.head_dim, self.base, 1, 2, self.scaling_factor)  # a bad setting fails before training
@@ -163,17 +170,18 @@ class RoPE(Encoding):
 
     def params(self) -> dict:
         return {"base": self.base, "layout": self.layout, "scaling": self.scaling,
-                "scaling_factor": self.scaling_factor}
+                "scaling_factor": self.scaling_factor, "original_positions": self.original_positions}
 
     def set_eval_length(self, train_positions: int, eval_positions: int) -> None:
-        scaling = self.scaling if eval_positions > train_positions else "none"
-        inv_freq, self.attention_factor = SCALINGS[scaling](self.dims.head_dim, self.base, train_positions,
+        reference = self.original_positions or train_positions
+        scaling = self.scaling if eval_positions > reference else "none"
+        inv_freq, self.attention_factor = SCALINGS[scaling](self.dims.head_dim, self.base, reference,
                                                             eval_positions, self.scaling_factor)
         self.inv_freq = inv_freq.to(device=self.inv_freq.device, dtype=self.inv_freq.dtype)
 
     def train(self, mode: bool = True):
-        if mode:  # training always sees the unscaled frequencies, even after an evaluation
-            self.set_eval_length(1, 1)
+        if mode:  # training: unscaled, or scaled to its own length past original_positions
+            self.set_eval_length(self.dims.train_positions, self.dims.train_positions)
         return super().train(mode)
 
     def qk(self, q, k, q_pos, k_pos, layer):
