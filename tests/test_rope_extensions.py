@@ -202,7 +202,8 @@ def test_forced_scaling_factor_replaces_the_length_ratio():
 @pytest.mark.parametrize("scaling", SCALED)
 def test_original_positions_scale_training_and_evaluation(scaling):
     """Fine-tuning at 32 tokens a model first trained at 16: the scaling acts against 16 in
-    training (s = 2) and at every evaluation length past 16, and not at or below it."""
+    training (s = 2), keeps the training's s at shorter evaluation lengths (the model knows no
+    other frequencies now) and grows as L / 16 past 32."""
     enc = RoPE(dims(train_positions=32), scaling=scaling, original_positions=16)
     enc.train()
     expected, factor = SCALINGS[scaling](HEAD_DIM, 10000.0, 16, 32)
@@ -212,9 +213,20 @@ def test_original_positions_scale_training_and_evaluation(scaling):
     enc.set_eval_length(32, 128)
     torch.testing.assert_close(enc.inv_freq, SCALINGS[scaling](HEAD_DIM, 10000.0, 16, 128)[0],
                                rtol=0, atol=0)
-    enc.set_eval_length(32, 16)
-    assert torch.equal(enc.inv_freq, rope_inv_freq(HEAD_DIM)) and enc.attention_factor == 1.0
+    for shorter in (8, 16, 32):
+        enc.set_eval_length(32, shorter)
+        torch.testing.assert_close(enc.inv_freq, expected, rtol=0, atol=0)
+        assert enc.attention_factor == factor
     assert enc.params()["original_positions"] == 16
+
+
+def test_original_positions_at_the_training_length_change_nothing():
+    enc = RoPE(dims(train_positions=16), scaling="pi", original_positions=16).train()
+    assert torch.equal(enc.inv_freq, rope_inv_freq(HEAD_DIM))
+    enc.set_eval_length(16, 8)
+    assert torch.equal(enc.inv_freq, rope_inv_freq(HEAD_DIM))
+    enc.set_eval_length(16, 64)
+    torch.testing.assert_close(enc.inv_freq, rope_inv_freq(HEAD_DIM) / 4, rtol=0, atol=0)
 
 
 def test_pi_fine_tuning_halves_the_frequencies():

@@ -138,7 +138,8 @@ class RoPE(Encoding):
     beyond training; for dynamic_ntk it is transformers' `factor` f (default 1).
     original_positions: the context (tokens) the frequencies were first trained at, for
     fine-tuning a checkpoint at a longer N as Chen et al. do: the scaling then acts against
-    it, in training (s = this run's training positions / original_positions) and evaluation."""
+    it, in training (s = this run's training positions / original_positions) and evaluation
+    (that s at every length up to the training one, L / original_positions past it)."""
 
     name = "rope"
     hooks = frozenset({"qk"})
@@ -173,7 +174,9 @@ class RoPE(Encoding):
                 "scaling_factor": self.scaling_factor, "original_positions": self.original_positions}
 
     def set_eval_length(self, train_positions: int, eval_positions: int) -> None:
-        reference = self.original_positions or train_positions
+        reference = train_positions
+        if self.original_positions:  # fine-tuned: never less scaling than the training used
+            reference, eval_positions = self.original_positions, max(eval_positions, train_positions)
         scaling = self.scaling if eval_positions > reference else "none"
         inv_freq, self.attention_factor = SCALINGS[scaling](self.dims.head_dim, self.base, reference,
                                                             eval_positions, self.scaling_factor)
