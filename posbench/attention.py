@@ -3,10 +3,20 @@
     qk -> logits = q.k^T * scale + bias + key_term -> causal mask -> softmax -> prob
     -> p.V + value_term
 
-`eager` materialises the logits and runs every hook (the reference). `sdpa` calls
-PyTorch's scaled_dot_product_attention with the bias folded into a 4-D float mask (the
-layout that keeps the fused CPU kernel) and `is_causal` when there is no bias; it
-refuses encodings with hooks it cannot express. `auto` picks sdpa when it can, else eager.
+`eager` materialises the logits and runs every hook (the reference). `sdpa` runs `qk` and
+`bias`: no bias goes to PyTorch's fused causal kernel; a bias on CPU goes to the fused flash
+kernel with the causal flag and the bias as its mask (the upper triangle is never computed;
+a learned bias gets its gradient from a blockwise backward), elsewhere into a 4-D float
+mask. `flex` (posbench.flex) builds a FlexAttention score_mod from the encoding. `auto`
+picks sdpa when it can run the encoding's hooks, else eager.
+
+Length costs no `L x L` memory beyond one block of queries where it matters:
+- a bias that is the same in every layer (`Encoding.bias_layers_shared`) is built once per
+  forward (`PositionContext`);
+- a causal eager layer in training attends in query blocks, each to its key prefix;
+- in evaluation (`Attention.eval_chunk` queries, set by the runner) every layer with a bias
+  or a content term attends one chunk of queries at a time, and the bias of a relative
+  encoding over contiguous positions is gathered per chunk from one row per offset.
 """
 from __future__ import annotations
 
@@ -15,6 +25,81 @@ import torch.nn.functional as F
 from torch import nn
 
 from posbench.encodings.base import Encoding
+
+EAGER_TRAIN_BLOCK = 128  # queries per block of a causal eager layer in training
+AUTO_CHUNK_ELEMENTS = 2**24  # eval.chunk=auto: a chunk's biggest [B|1, H, chunk, Lk] tensor holds at most this
+MIN_AUTO_CHUNK = 16
+GRAD_BLOCK = 64  # queries per block in the bias-gradient backward
+FUSED_CPU_FORWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+FUSED_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def causal_mask(lq: int, lk: int, device) -> torch.Tensor:
+    """True where key j may be seen by query i (j <= i, queries aligned to the last keys): [Lq, Lk]."""
+    return torch.ones(lq, lk, dtype=torch.bool, device=device).tril(diagonal=lk - lq)
+
+
+def sum_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Sum a gradient over the dimensions its input was broadcast along."""
+    dims = [i for i, (g, s) in enumerate(zip(grad.shape, shape)) if s == 1 and g != 1]
+    return grad.sum(dims, keepdim=True) if dims else grad
+
+
+class FusedBiasAttention(torch.autograd.Function):
+    """softmax(q k^T * scale + bias [+ causal]) v on CPU with the fused flash kernel.
+
+    Forward and, for a bias without gradient, backward are the fused kernel's own, with the
+    causal flag (upper triangle skipped) and the bias as its mask. A bias that needs a
+    gradient (t5, kerple, fire) gets a blockwise backward: per block of queries, against its
+    key prefix when causal, P = exp(S - logsumexp) is rebuilt and dS = P (dP - rowsum(dO O))
+    gives dq, dk, dv and the bias gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, causal: bool, scale: float):
+        mask = bias.to(q.dtype)
+        out, lse = FUSED_CPU_FORWARD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)  # [B, H, L, d], [B, H, L]
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.causal, ctx.scale, ctx.bias_shape, ctx.bias_dtype = causal, scale, bias.shape, bias.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        if not ctx.needs_input_grad[3]:
+            dq, dk, dv = FUSED_CPU_BACKWARD(grad_out, q, k, v, out, lse, 0.0, ctx.causal, attn_mask=mask,
+                                            scale=ctx.scale)
+            return dq, dk, dv, None, None, None
+        dq, dk, dv, dbias = blockwise_backward(q, k, v, mask, out, lse, grad_out, ctx.causal, ctx.scale)
+        return dq, dk, dv, sum_to(dbias, ctx.bias_shape).to(ctx.bias_dtype), None, None
+
+
+def blockwise_backward(q, k, v, bias, out, lse, grad_out, causal: bool, scale: float):
+    """Gradients of attention with a bias, one block of GRAD_BLOCK queries at a time, in float32.
+    q, k, v, out, grad_out: [B, H, L, d]; bias: [B', H', L, L]; lse: [B, H, L]."""
+    dtype = q.dtype
+    q, k, v, out, grad_out = (t.float() for t in (q, k, v, out, grad_out))
+    length = q.shape[-2]
+    rowdot = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO * O): [B, H, L, 1]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    shared = bias.shape[0] == 1  # then summed over the batch as it goes
+    dbias = q.new_zeros(1 if shared else q.shape[0], q.shape[1], length, length)  # [B', H, L, L]
+    above = torch.ones(GRAD_BLOCK, GRAD_BLOCK, dtype=torch.bool, device=q.device).triu(1)
+    for start in range(0, length, GRAD_BLOCK):
+        stop = min(length, start + GRAD_BLOCK)
+        end = stop if causal else length
+        q_blk, k_pre, v_pre = q[:, :, start:stop], k[:, :, :end], v[:, :, :end]
+        p = torch.matmul(q_blk, k_pre.transpose(-1, -2)).mul_(scale)  # [B, H, b, end]
+        p.add_(bias[:, :, start:stop, :end]).sub_(lse[:, :, start:stop, None]).exp_()  # P
+        if causal:
+            p[..., start:stop].masked_fill_(above[: stop - start, : stop - start], 0.0)
+        ds = torch.matmul(grad_out[:, :, start:stop], v_pre.transpose(-1, -2))  # dP: [B, H, b, end]
+        ds.sub_(rowdot[:, :, start:stop]).mul_(p)  # dS = P (dP - rowdot)
+        dbias[:, :, start:stop, :end] += ds.sum(0, keepdim=True) if shared else ds
+        dq[:, :, start:stop] = torch.matmul(ds, k_pre).mul_(scale)
+        dk[:, :, :end] += torch.matmul(ds.transpose(-1, -2), q_blk).mul_(scale)
+        dv[:, :, :end] += torch.matmul(p.transpose(-1, -2), grad_out[:, :, start:stop])
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype), dbias
 
 
 class Backend:
@@ -28,22 +113,26 @@ class Backend:
             raise ValueError(f"backend={self.name} cannot run the {sorted(missing)} hook(s) that encoding "
                              f"{encoding.name} needs; use backend={valid[0]} (backends that can: {valid})")
 
-    def attend(self, q, k, v, encoding: Encoding, q_pos, k_pos, layer: int, causal: bool) -> torch.Tensor:
+    def attend(self, q, k, v, encoding: Encoding, q_pos, k_pos, layer: int, causal: bool,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [B, H, Lq, d], k, v: [B, H, Lk, d], queries aligned to the last keys -> [B, H, Lq, d].
+        `bias` [B', H, Lq, Lk]: the encoding's bias when the caller built it; else built here."""
         raise NotImplementedError
 
 
-def causal_mask(lq: int, lk: int, device) -> torch.Tensor:
-    """True where key j may be seen by query i (j <= i, queries aligned to the last keys): [Lq, Lk]."""
-    return torch.ones(lq, lk, dtype=torch.bool, device=device).tril(diagonal=lk - lq)
+def encoding_bias(encoding: Encoding, q_pos, k_pos, layer: int, bias):
+    if bias is None and "bias" in encoding.hooks:
+        return encoding.bias(q_pos, k_pos, layer)  # [B', H, Lq, Lk]
+    return bias
 
 
 class EagerBackend(Backend):
     name = "eager"
     supported_hooks = frozenset({"qk", "bias", "key_term", "value_term", "prob"})
 
-    def attend(self, q, k, v, encoding, q_pos, k_pos, layer, causal):
+    def attend(self, q, k, v, encoding, q_pos, k_pos, layer, causal, bias=None):
         logits = (q @ k.transpose(-2, -1)) * encoding.logit_scale(q.shape[-1])  # [B, H, Lq, Lk]
-        bias = encoding.bias(q_pos, k_pos, layer)
+        bias = encoding_bias(encoding, q_pos, k_pos, layer, bias)
         if bias is not None:
             logits = logits + bias.to(logits.dtype)  # [B', H, Lq, Lk] broadcast
         term = encoding.key_term(q, k, q_pos, k_pos, layer)
@@ -61,17 +150,26 @@ class SdpaBackend(Backend):
     name = "sdpa"
     supported_hooks = frozenset({"qk", "bias"})
 
-    def attend(self, q, k, v, encoding, q_pos, k_pos, layer, causal):
+    def attend(self, q, k, v, encoding, q_pos, k_pos, layer, causal, bias=None):
         scale = encoding.logit_scale(q.shape[-1])
-        bias = encoding.bias(q_pos, k_pos, layer)
-        if bias is None and (not causal or q.shape[-2] == k.shape[-2]):
+        bias = encoding_bias(encoding, q_pos, k_pos, layer, bias)
+        square = q.shape[-2] == k.shape[-2]
+        if bias is None and (not causal or square):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)  # [B, H, L, d]
+        if bias is not None and (square or not causal) and fused_cpu_ok(q, bias):
+            return FusedBiasAttention.apply(q, k, v, bias, causal, scale)  # [B, H, L, d]
         if bias is None:  # queries after a memory: is_causal would align them to the first keys
             bias = torch.zeros(1, 1, q.shape[-2], k.shape[-2], dtype=q.dtype, device=q.device)  # [1, 1, Lq, Lk]
         mask = bias.to(q.dtype)  # [B', H, Lq, Lk]: 4-D keeps the fused kernel
         if causal:
             mask = mask.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, H, L, d]
+
+
+def fused_cpu_ok(q: torch.Tensor, bias: torch.Tensor) -> bool:
+    """The fused CPU flash kernel takes this call: CPU tensors, a 4-D bias, this torch has the kernel."""
+    return (FUSED_CPU_FORWARD is not None and FUSED_CPU_BACKWARD is not None and q.device.type == "cpu"
+            and bias.dim() == 4 and q.dtype in (torch.float32, torch.float64, torch.bfloat16))
 
 
 BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (EagerBackend, SdpaBackend)}
@@ -89,6 +187,59 @@ def get_backend(name: str, encoding: Encoding | None = None) -> Backend:
     return BACKENDS[name]()
 
 
+class PositionContext:
+    """The positions of one forward pass and what its layers share: queries at q_pos [B', Lq],
+    keys at k_pos [B', Lk] (a memory, then the queries), and each bias built once."""
+
+    def __init__(self, encoding: Encoding, q_pos: torch.Tensor, k_pos: torch.Tensor | None = None):
+        self.encoding, self.q_pos = encoding, q_pos
+        self.k_pos = q_pos if k_pos is None else k_pos
+        self.has_bias = "bias" in encoding.hooks
+        self.full: dict[int, torch.Tensor] = {}
+        self.rows: dict[int, torch.Tensor | None] = {}
+
+    def layer_key(self, layer: int) -> int:
+        return 0 if self.encoding.bias_layers_shared else layer
+
+    def bias(self, layer: int) -> torch.Tensor | None:
+        """The layer's whole bias [B', H, Lq, Lk], built once when every layer shares it."""
+        if not self.has_bias:
+            return None
+        key = self.layer_key(layer)
+        if key not in self.full:
+            self.full[key] = self.encoding.bias(self.q_pos, self.k_pos, layer)
+        return self.full[key]
+
+    def block_bias(self, layer: int, start: int, stop: int, end: int) -> torch.Tensor | None:
+        """The bias of queries start:stop against keys :end, [B', H, stop - start, end], without
+        building the whole: gathered from per-offset rows when the encoding is relative and the
+        positions contiguous, else built for the block."""
+        if not self.has_bias:
+            return None
+        q_pos, k_pos = self.q_pos[:, start:stop], self.k_pos[:, :end]
+        rows = self.offset_rows(layer)
+        if rows is None:
+            return self.encoding.bias(q_pos, k_pos, layer)
+        index = q_pos[0, :, None] - k_pos[0, None, :] + (self.k_pos.shape[1] - 1)  # i - j + Lk - 1: [b, end]
+        return rows[:, :, index]  # [1, H, b, end]
+
+    def offset_rows(self, layer: int) -> torch.Tensor | None:
+        """f(i - j) for i - j in -(Lk - 1)..(Lk - 1) as [1, H, 2 Lk - 1], for a relative encoding
+        over contiguous positions shared by the batch, the queries the last keys; None otherwise."""
+        key = self.layer_key(layer)
+        if key not in self.rows:
+            self.rows[key] = None
+            k_pos = self.k_pos
+            queries_last = torch.equal(self.q_pos, k_pos[:, k_pos.shape[1] - self.q_pos.shape[1]:])
+            if self.encoding.relative and k_pos.dim() == 2 and k_pos.shape[0] == 1 and queries_last \
+                    and bool((k_pos[0, 1:] - k_pos[0, :-1] == 1).all()):
+                last, first = k_pos[:, -1:], k_pos[:, :1]
+                after = self.encoding.bias(first, k_pos, layer)[:, :, 0].flip(-1)  # i - j = -(Lk-1)..0
+                before = self.encoding.bias(last, k_pos, layer)[:, :, 0].flip(-1)  # i - j = 0..Lk-1
+                self.rows[key] = torch.cat([after, before[..., 1:]], dim=-1)  # [1, H, 2 Lk - 1]
+        return self.rows[key]
+
+
 class Attention(nn.Module):
     """Multi-head self-attention that receives its positional encoding and backend."""
 
@@ -98,23 +249,57 @@ class Attention(nn.Module):
         self.n_heads, self.layer, self.causal = n_heads, layer, causal
         self.backend = backend
         self.encoding = [encoding]  # a list: shared with the model, registered there once
+        self.eval_chunk: int | str | None = None  # queries per chunk in evaluation: a number, "auto" or None (all)
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, context: torch.Tensor | None = None,
-                context_pos: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [B, L, D] at pos [B', L]. Keys and values come from x, or from `context` [B, Lk, D]
-        at context_pos [B', Lk] when given (a memory followed by x, queries aligned to its end)."""
+    def forward(self, x: torch.Tensor, positions: PositionContext, memory: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, L, D] at positions.q_pos [B', L]. Keys and values come from x, or from `memory`
+        [B, Lk, D] at positions.k_pos [B', Lk] when given (a memory followed by x, queries
+        aligned to its end)."""
         b, length, d_model = x.shape
         encoding = self.encoding[0]
-        if context is None:
+        q_pos, k_pos = positions.q_pos, positions.k_pos
+        if memory is None:
             q, k, v = self.qkv(x).view(b, length, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4)  # 3 x [B, H, L, d]
-            context_pos = pos
         else:
             w_q, w_kv = self.qkv.weight.split([d_model, 2 * d_model])
             q = F.linear(x, w_q).view(b, length, self.n_heads, -1).transpose(1, 2)  # [B, H, L, d]
-            k, v = F.linear(context, w_kv).view(b, context.shape[1], 2, self.n_heads, -1).permute(2, 0, 3, 1, 4)
+            k, v = F.linear(memory, w_kv).view(b, memory.shape[1], 2, self.n_heads, -1).permute(2, 0, 3, 1, 4)
         if "qk" in encoding.hooks:
-            q, k = encoding.qk(q, k, pos, context_pos, self.layer)
-        y = self.backend.attend(q, k, v, encoding, pos, context_pos, self.layer, self.causal)  # [B, H, L, d]
+            q, k = encoding.qk(q, k, q_pos, k_pos, self.layer)
+        block = self.query_block(encoding, q.shape[0], length, k.shape[-2])
+        if block is None:
+            y = self.backend.attend(q, k, v, encoding, q_pos, k_pos, self.layer, self.causal,
+                                    positions.bias(self.layer))  # [B, H, L, d]
+        else:
+            y = torch.cat([self.attend_block(q, k, v, positions, start, min(length, start + block))
+                           for start in range(0, length, block)], dim=2)  # [B, H, L, d]
         return self.out(y.transpose(1, 2).reshape(b, length, d_model))  # [B, L, D]
+
+    def query_block(self, encoding: Encoding, batch: int, length: int, keys: int) -> int | None:
+        """Queries per block, or None for one call over all of them."""
+        needs_logits = set(encoding.hooks) & {"bias", "key_term", "prob", "value_term"}
+        if not needs_logits:
+            return None  # fused kernels bound their own memory and skip the upper triangle
+        if not self.training:
+            chunk = self.eval_chunk
+            if chunk == "auto":  # the logits (eager) or the bias (sdpa) of one chunk within the budget
+                rows = (batch if self.backend.name == "eager" else 1) * self.n_heads * keys
+                chunk = max(MIN_AUTO_CHUNK, AUTO_CHUNK_ELEMENTS // rows)
+            return chunk if chunk and length > chunk else None
+        if self.backend.name == "eager" and self.causal and length > EAGER_TRAIN_BLOCK:
+            return EAGER_TRAIN_BLOCK
+        return None
+
+    def attend_block(self, q, k, v, positions: PositionContext, start: int, stop: int) -> torch.Tensor:
+        """Queries start:stop against the keys they may see: their prefix when causal."""
+        end = stop + k.shape[-2] - q.shape[-2] if self.causal else k.shape[-2]
+        if self.training:
+            full = positions.bias(self.layer)
+            bias = None if full is None else full[:, :, start:stop, :end]
+        else:
+            bias = positions.block_bias(self.layer, start, stop, end)
+        return self.backend.attend(q[:, :, start:stop], k[:, :, :end], v[:, :, :end], self.encoding[0],
+                                   positions.q_pos[:, start:stop], positions.k_pos[:, :end], self.layer,
+                                   self.causal, bias)  # [B, H, stop - start, d]

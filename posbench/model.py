@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from posbench.attention import Attention, Backend
+from posbench.attention import Attention, Backend, PositionContext
 from posbench.encodings.base import Encoding
 
 
@@ -36,15 +36,14 @@ class Block(nn.Module):
                                  nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model))
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, memory: torch.Tensor | None = None,
-                memory_pos: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: PositionContext, memory: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, L, D]; memory: [B, M, D] earlier inputs of this block, attended as keys before x."""
         h = self.norm1(x)  # [B, L, D]
         if memory is None:
-            x = x + self.drop(self.attn(h, pos))  # [B, L, D]
+            x = x + self.drop(self.attn(h, positions))  # [B, L, D]
         else:
-            context = torch.cat([self.norm1(memory), h], dim=1)  # [B, M + L, D]
-            x = x + self.drop(self.attn(h, pos, context, torch.cat([memory_pos, pos], dim=1)))  # [B, L, D]
+            keys = torch.cat([self.norm1(memory), h], dim=1)  # [B, M + L, D]
+            x = x + self.drop(self.attn(h, positions, keys))  # [B, L, D]
         return x + self.drop(self.mlp(self.norm2(x)))  # [B, L, D]
 
 
@@ -76,9 +75,15 @@ class Transformer(nn.Module):
         if "embed" in self.encoding.hooks:
             x = self.encoding.embed(x, pos, ids)  # [B, L, D]
         x = self.drop(x)
+        positions = PositionContext(self.encoding, pos)  # a bias shared by the layers is built once
         for block in self.blocks:
-            x = block(x, pos)  # [B, L, D]
+            x = block(x, positions)  # [B, L, D]
         return self.head(self.norm(x))  # [B, L, V]
+
+    def set_eval_chunk(self, queries: int | None) -> None:
+        """Evaluation attends `queries` queries at a time in layers that form logits (None: all)."""
+        for block in self.blocks:
+            block.attn.eval_chunk = queries
 
     def check_recurrent(self) -> None:
         hooks = self.encoding.hooks
@@ -101,13 +106,13 @@ class Transformer(nn.Module):
         if memory_length < 1:
             raise ValueError(f"memory_length={memory_length}: segment recurrence keeps at least one token")
         held = 0 if memory is None else memory[0].shape[1]
-        positions = torch.arange(held + ids.shape[1], device=ids.device)[None]  # [1, M + L]
-        memory_pos, pos = positions[:, :held], positions[:, held:]
+        key_pos = torch.arange(held + ids.shape[1], device=ids.device)[None]  # [1, M + L]: memory, then segment
         x = self.drop(self.tok(ids))  # [B, L, D]
+        positions = PositionContext(self.encoding, key_pos[:, held:], key_pos)
         kept = []
         for i, block in enumerate(self.blocks):
             layer_memory = None if memory is None else memory[i]
             inputs = x if layer_memory is None else torch.cat([layer_memory, x], dim=1)  # [B, M + L, D]
             kept.append(inputs[:, -memory_length:].detach())
-            x = block(x, pos, layer_memory, memory_pos)  # [B, L, D]
+            x = block(x, positions, layer_memory)  # [B, L, D]
         return self.head(self.norm(x)), kept  # [B, L, V]

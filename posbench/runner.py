@@ -5,7 +5,6 @@ Each evaluated length becomes one result row, appended to the run directory at o
 from __future__ import annotations
 
 import math
-import resource
 import subprocess
 import time
 import uuid
@@ -20,6 +19,7 @@ from tqdm.auto import tqdm
 from posbench.attention import get_backend
 from posbench.encodings.base import Encoding, ModelDims
 from posbench.loggers import build_logger
+from posbench.memory import PeakMemory
 from posbench.model import ModelConfig, Transformer
 from posbench.positions import PositionScheme
 from posbench.results import RowWriter, plot_run
@@ -75,12 +75,6 @@ def git_commit() -> str:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def peak_memory_mb(device: torch.device) -> tuple[float, str]:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "process_peak_rss"
 
 
 @dataclass
@@ -171,15 +165,50 @@ def check_choice_value(key: str, value, choices) -> None:
         raise ValueError(f"{key}={value!r} is not valid; choose one of {list(choices)}")
 
 
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def make_optimizer(model: torch.nn.Module, cfg_train: DictConfig) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on biases, norms and the encoding's own parameters."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("encoding")]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or n.startswith("encoding")]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg_train.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg_train.lr, betas=(0.9, 0.98))
+
+
+def autocast(device: torch.device, precision: str):
+    """The context the forward runs in: bf16 autocast, or fp32 as it is."""
+    check_choice_value("train.precision", precision, PRECISIONS)
+    dtype = PRECISIONS[precision]
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def train_step(model, forward, task: Task, batch, positions: torch.Tensor, optimizer, cfg_train: DictConfig,
+               device: torch.device) -> tuple[torch.Tensor, dict]:
+    """One optimisation step (forward, loss, backward, clip, AdamW) -> (loss, the batch's metric sums).
+    `forward` is the model or its compiled form; the runner and the benchmark both step with this."""
+    with autocast(device, cfg_train.precision):
+        logits = forward(batch.inputs, positions)  # [B, T, V]
+    sums = task.batch_sums(logits.float(), batch)
+    loss = sums["loss_sum"] / sums["tokens"]
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg_train.grad_clip)
+    optimizer.step()
+    return loss, sums
+
+
+def compiled(model: torch.nn.Module, enabled: bool):
+    """The model's forward, through torch.compile when asked (dynamic shapes: lengths vary)."""
+    return torch.compile(model, dynamic=True) if enabled else model
+
+
 def train(built: Built, cfg: DictConfig, device: torch.device, logger) -> dict:
     """Returns tokens/s after warm-up, the final loss and the status (ok | diverged)."""
     model, task, cfg_train = built.model, built.task, cfg.train
     model.train()
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("encoding")]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or n.startswith("encoding")]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg_train.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=cfg_train.lr,
-                                  betas=(0.9, 0.98))
+    optimizer = make_optimizer(model, cfg_train)
+    forward = compiled(model, cfg_train.compile)
     data_gen = torch.Generator(device).manual_seed(cfg.seed)
     length_gen = torch.Generator().manual_seed(cfg.seed)
     timed_tokens, timed_seconds, loss_value, status = 0, 0.0, float("nan"), "ok"
@@ -196,13 +225,8 @@ def train(built: Built, cfg: DictConfig, device: torch.device, logger) -> dict:
         batch = task.sample(cfg_train.batch_size, length, data_gen)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, cfg_train)
-        logits = model(batch.inputs, built.positions(batch.inputs.shape[1], data_gen))  # [B, T, V]
-        sums = task.batch_sums(logits, batch)
-        loss = sums["loss_sum"] / sums["tokens"]
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg_train.grad_clip)
-        optimizer.step()
+        positions = built.positions(batch.inputs.shape[1], data_gen)  # [1, T]
+        loss, sums = train_step(model, forward, task, batch, positions, optimizer, cfg_train, device)
         if step >= TIMING_WARMUP_STEPS:
             timed_tokens += batch.inputs.numel()
         if step % cfg_train.log_every == 0 or step == cfg_train.steps - 1:
@@ -225,16 +249,17 @@ def train(built: Built, cfg: DictConfig, device: torch.device, logger) -> dict:
 
 
 @torch.no_grad()
-def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.device) -> dict:
+def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.device, precision: str = "fp32") -> dict:
     """Metrics over cfg_eval.samples fresh sequences at one length, and tokens/s past the first batch."""
     model, task = built.model, built.task
     model.eval()
+    model.set_eval_chunk(eval_chunk(cfg_eval.chunk))
     built.encoding.set_eval_length(task.sequence_length(built.train_length), task.sequence_length(length))
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    memory = PeakMemory(device)
+    memory.start()
     gen = torch.Generator(device).manual_seed(int(cfg_eval.seed) + length)
     totals: dict[str, float] = {}
-    timed_tokens, timed_seconds, first, memory = 0, 0.0, None, None
+    timed_tokens, timed_seconds, first, held = 0, 0.0, None, None
     batches = task.eval_batches(length, int(cfg_eval.samples), int(cfg_eval.batch_size), gen)
     while True:
         sync(device)
@@ -243,12 +268,13 @@ def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.devi
         if batch is None:
             break
         memory_length = getattr(batch, "memory_length", 0)  # segment recurrence (wikitext task.memory)
-        if memory_length:
-            logits, memory = model.forward_recurrent(batch.inputs, None if batch.new_stream else memory,
-                                                     memory_length)  # [B, T, V]
-        else:
-            logits = model(batch.inputs, built.positions(batch.inputs.shape[1], gen))  # [B, T, V]
-        sums = task.batch_sums(logits, batch)
+        with autocast(device, precision):
+            if memory_length:
+                logits, held = model.forward_recurrent(batch.inputs, None if batch.new_stream else held,
+                                                       memory_length)  # [B, T, V]
+            else:
+                logits = model(batch.inputs, built.positions(batch.inputs.shape[1], gen))  # [B, T, V]
+        sums = task.batch_sums(logits.float(), batch)
         sync(device)
         if first is None:  # the first batch is warm-up; kept only if it is the only one
             first = (batch.inputs.numel(), time.perf_counter() - start)
@@ -261,9 +287,17 @@ def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.devi
         raise ValueError(f"{task.name}: no evaluation batches at length {length}")
     if not timed_seconds:
         timed_tokens, timed_seconds = first
-    peak, kind = peak_memory_mb(device)
     return {**task.finalize(totals), "eval_tokens_per_s": timed_tokens / timed_seconds,
-            "peak_mem_mb": peak, "mem_kind": kind}
+            "peak_mem_mb": memory.peak(), "mem_kind": memory.kind}
+
+
+def eval_chunk(setting) -> int | str | None:
+    """eval.chunk: auto, a number of queries, or null (every query at once)."""
+    if setting is None or setting == "auto":
+        return setting
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+        raise ValueError(f"eval.chunk={setting!r} is not valid; use auto, a number of queries >= 1, or null")
+    return setting
 
 
 def flat_config(cfg: DictConfig, built: Built) -> dict:
@@ -316,7 +350,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
             row |= {"status": "diverged", **UNMEASURED}
         else:
             try:
-                row |= {"status": "ok", **evaluate(built, length, cfg.eval, device)}
+                row |= {"status": "ok", **evaluate(built, length, cfg.eval, device, cfg.train.precision)}
             except Exception as err:
                 writer.write(row | {"status": f"failed: {type(err).__name__}: {err}"[:500], **UNMEASURED})
                 raise

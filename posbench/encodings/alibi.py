@@ -23,6 +23,7 @@ class ALiBi(Encoding):
     name = "alibi"
     hooks = frozenset({"bias"})
     relative = True
+    bias_layers_shared = True
 
     def __init__(self, dims: ModelDims):
         super().__init__(dims)

@@ -47,6 +47,7 @@ class Encoding(nn.Module):
     name: str = ""
     hooks: frozenset[str] = frozenset()
     relative: bool = False  # logits depend on i - j only (shift invariance)
+    bias_layers_shared: bool = False  # bias(q_pos, k_pos, layer) is the same for every layer: built once
 
     def __init__(self, dims: ModelDims):
         super().__init__()

@@ -23,7 +23,8 @@ is the order of `parts`):
                overrides are refused.
   set_eval_length  forwarded to every part.
 `hooks` is the union of the parts' hooks; `relative` holds only if every part is relative
-(a part with no hooks, nope, counts as relative). The class attributes describe the
+(a part with no hooks, nope, counts as relative); the bias is built once for all layers when
+every part with a bias shares it across layers. The class attributes describe the
 default parts [rope, t5], which the generic registry tests build; each instance sets its own.
 """
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Composite(Encoding):
                                    for name in names)
         self.hooks = frozenset().union(*(part.hooks for part in self.parts))
         self.relative = all(part.relative or not part.hooks for part in self.parts)
+        self.bias_layers_shared = all(part.bias_layers_shared for part in self.parts_with("bias"))
         self.check_single_owners()
         self.logit_scale(dims.head_dim)  # conflicting overrides fail before training
 

@@ -45,6 +45,7 @@ class FIRE(Encoding):
             raise ValueError(f"fire: init_threshold={init_threshold} and init_c={init_c} must both be > 0")
         self.mlp_width, self.init_c, self.init_threshold = int(mlp_width), float(init_c), float(init_threshold)
         self.share_layers = bool(share_layers)
+        self.bias_layers_shared = self.share_layers
         copies = 1 if self.share_layers else dims.n_layers
         self.mlps = nn.ModuleList(
             nn.Sequential(nn.Linear(1, self.mlp_width), nn.ReLU(), nn.Linear(self.mlp_width, dims.n_heads))

@@ -38,6 +38,7 @@ class Kerple(Encoding):
     name = "kerple"
     hooks = frozenset({"bias"})
     relative = True
+    bias_layers_shared = True
 
     def __init__(self, dims: ModelDims, variant: str = "log"):
         super().__init__(dims)

@@ -28,6 +28,7 @@ class Sandwich(Encoding):
     name = "sandwich"
     hooks = frozenset({"bias"})
     relative = True
+    bias_layers_shared = True
 
     def __init__(self, dims: ModelDims, dim: int | None = None, base: float = 10000.0):
         super().__init__(dims)

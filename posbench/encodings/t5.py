@@ -47,6 +47,7 @@ class T5(Encoding):
     name = "t5"
     hooks = frozenset({"bias"})
     relative = True
+    bias_layers_shared = True
 
     def __init__(self, dims: ModelDims, num_buckets: int = 32, max_distance: int = 128,
                  bidirectional: bool | None = None, bucketed: bool = True):

@@ -1,0 +1,71 @@
+"""Peak memory of one stretch of work (one evaluation length, a benchmark's timed steps).
+
+CUDA: torch.cuda.max_memory_allocated, reset at `start()`. CPU: the process's resident-set
+high-water mark (Linux VmHWM), reset to the current RSS through /proc/self/clear_refs after the
+freed heap is handed back to the OS (malloc_trim), so each stretch gets its own peak. Where
+that reset is refused, getrusage's ru_maxrss, the process's peak since it began: not
+comparable between stretches, so its kind says so.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import resource
+from pathlib import Path
+
+import torch
+
+# kinds whose numbers are one stretch's own peak; the report compares only these
+PER_STRETCH_KINDS = ("rss_hwm", "cuda_max_allocated")
+
+
+def rss_kb(field: str) -> int:
+    """A memory field of /proc/self/status (VmRSS, VmHWM) in kB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def trim_heap() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # else freed blocks would hide new allocations
+    except (OSError, AttributeError):
+        pass
+
+
+class PeakMemory:
+    """Peak memory in MiB since the last `start()`, and the level `start()` found (`base`)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.kind = "cuda_max_allocated" if device.type == "cuda" else "rss_hwm"
+        self.base = 0.0
+
+    @property
+    def resettable(self) -> bool:
+        return self.kind in PER_STRETCH_KINDS
+
+    def start(self) -> None:
+        if self.kind == "cuda_max_allocated":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device) / 2**20
+            return
+        trim_heap()
+        if self.kind == "rss_hwm":
+            try:
+                Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux >= 4.0)
+                self.base = rss_kb("VmRSS") / 1024
+                return
+            except OSError:
+                self.kind = "process_peak_rss"
+        self.base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    def peak(self) -> float:
+        if self.kind == "cuda_max_allocated":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        if self.kind == "rss_hwm":
+            return rss_kb("VmHWM") / 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
