@@ -75,10 +75,11 @@ class FusedBiasAttention(torch.autograd.Function):
 
 
 def blockwise_backward(q, k, v, bias, out, lse, grad_out, causal: bool, scale: float):
-    """Gradients of attention with a bias, one block of GRAD_BLOCK queries at a time, in float32.
-    q, k, v, out, grad_out: [B, H, L, d]; bias: [B', H', L, L]; lse: [B, H, L]."""
+    """Gradients of attention with a bias, one block of GRAD_BLOCK queries at a time, in float32
+    at least. q, k, v, out, grad_out: [B, H, L, d]; bias: [B', H', L, L]; lse: [B, H, L]."""
     dtype = q.dtype
-    q, k, v, out, grad_out = (t.float() for t in (q, k, v, out, grad_out))
+    compute = torch.promote_types(dtype, torch.float32)
+    q, k, v, out, grad_out = (t.to(compute) for t in (q, k, v, out, grad_out))
     length = q.shape[-2]
     rowdot = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO * O): [B, H, L, 1]
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)

@@ -1,0 +1,167 @@
+"""The paths that make length cheap give the reference's numbers, for every encoding in the
+registry: the fused causal+bias CPU kernel and its blockwise bias gradient, query blocks in
+eager training, chunked evaluation (bias gathered from per-offset rows, or built per chunk),
+chunked segment recurrence, and one bias per forward when the layers share it.
+
+The reference is the eager backend attending every query at once (the logits materialised)."""
+import pytest
+import torch
+
+from posbench import attention
+from posbench.attention import PositionContext, get_backend
+from posbench.encodings import REGISTRY
+from posbench.model import ModelConfig, Transformer
+from tests.conftest import make_encoding
+
+ALL = sorted(REGISTRY)
+BIAS = sorted(name for name, cls in REGISTRY.items() if "bias" in cls.hooks)
+LENGTH = 23
+
+
+def backends_for(name: str) -> list[str]:
+    needed = set(REGISTRY[name].hooks) - {"embed"}
+    return ["eager"] + (["sdpa"] if needed <= get_backend("sdpa").supported_hooks else [])
+
+
+def model_for(name: str, backend: str, causal: bool = True) -> Transformer:
+    torch.manual_seed(0)
+    enc = make_encoding(name, causal=causal, d_model=32, n_heads=4, max_positions=64)
+    for p in enc.parameters():  # trained-looking values, not the zero / one initialisations
+        torch.nn.init.normal_(p, std=0.3)
+    cfg = ModelConfig(vocab_size=11, d_model=32, n_layers=2, n_heads=4, causal=causal)
+    return Transformer(cfg, enc, get_backend(backend, enc)).double()
+
+
+def ids_for(batch: int = 2, length: int = LENGTH) -> torch.Tensor:
+    return torch.randint(0, 11, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture
+def one_pass(monkeypatch):
+    """Training attends every query at once (the reference)."""
+    monkeypatch.setattr(attention, "EAGER_TRAIN_BLOCK", 10**9)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", ALL)
+def test_chunked_evaluation_equals_one_pass(name, causal):
+    pos = torch.arange(LENGTH)[None]
+    reference = model_for(name, "eager", causal).eval()(ids_for(), pos)
+    for backend in backends_for(name):
+        model = model_for(name, backend, causal).eval()
+        for chunk in (1, 5, LENGTH - 1):
+            model.set_eval_chunk(chunk)
+            torch.testing.assert_close(model(ids_for(), pos), reference, rtol=0, atol=1e-10,
+                                       msg=f"{backend}, chunk {chunk}")
+
+
+@pytest.mark.parametrize("name", BIAS + ["shaw", "transformer_xl"])
+def test_chunked_evaluation_with_scattered_and_per_sequence_positions(name):
+    """Positions that are not contiguous (randomized) or differ per sequence build the bias per chunk."""
+    scattered = torch.tensor([0, 2, 3, 7, 8, 9, 13, 20, 21, 22, 30, 31, 32, 40, 41, 45, 50])[None]  # [1, 17]
+    per_sequence = torch.stack((torch.arange(17), torch.arange(17) + 5))  # [2, 17]
+    for pos in (scattered, per_sequence):
+        reference = model_for(name, "eager").eval()(ids_for(length=17), pos)
+        for backend in backends_for(name):
+            model = model_for(name, backend).eval()
+            model.set_eval_chunk(4)
+            torch.testing.assert_close(model(ids_for(length=17), pos), reference, rtol=0, atol=1e-10)
+
+
+def test_auto_chunk_splits_long_evaluations(monkeypatch):
+    monkeypatch.setattr(attention, "AUTO_CHUNK_ELEMENTS", 2 * 4 * LENGTH * 6)  # B x H x Lk x 6 queries (eager)
+    monkeypatch.setattr(attention, "MIN_AUTO_CHUNK", 1)
+    calls = []
+    model = model_for("shaw", "eager").eval()
+    original = model.blocks[0].attn.attend_block
+    monkeypatch.setattr(model.blocks[0].attn, "attend_block",
+                        lambda *args: calls.append(args[-1] - args[-2]) or original(*args))
+    reference = model(ids_for(), torch.arange(LENGTH)[None])
+    model.set_eval_chunk("auto")
+    torch.testing.assert_close(model(ids_for(), torch.arange(LENGTH)[None]), reference, rtol=0, atol=1e-10)
+    assert calls == [6, 6, 6, 5]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_training_paths_give_the_reference_gradients(name, monkeypatch):
+    """Query blocks (eager) and the fused kernel with its blockwise bias gradient (sdpa) in
+    training: same logits and same gradient for every parameter as one eager pass."""
+    ids, pos = ids_for(), torch.arange(LENGTH)[None]
+
+    def outputs_and_grads(model):
+        model.train()
+        logits = model(ids, pos)
+        (logits.sin().sum()).backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    monkeypatch.setattr(attention, "EAGER_TRAIN_BLOCK", 10**9)
+    expected, expected_grads = outputs_and_grads(model_for(name, "eager"))
+    assert expected_grads
+    monkeypatch.setattr(attention, "EAGER_TRAIN_BLOCK", 5)
+    monkeypatch.setattr(attention, "GRAD_BLOCK", 4)
+    for backend in backends_for(name):
+        logits, grads = outputs_and_grads(model_for(name, backend))
+        torch.testing.assert_close(logits, expected, rtol=0, atol=1e-10, msg=backend)
+        assert grads.keys() == expected_grads.keys()
+        for key, grad in grads.items():
+            torch.testing.assert_close(grad, expected_grads[key], rtol=1e-8, atol=1e-10, msg=f"{backend} {key}")
+
+
+@pytest.mark.parametrize("name", ["t5", "alibi", "fire"])
+def test_bidirectional_fused_kernel_gives_the_reference_gradients(name):
+    ids, pos = ids_for(), torch.arange(LENGTH)[None]
+    results = []
+    for backend in ("eager", "sdpa"):
+        model = model_for(name, backend, causal=False).train()
+        model(ids, pos).sin().sum().backward()
+        results.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    for key, grad in results[1].items():
+        torch.testing.assert_close(grad, results[0][key], rtol=1e-8, atol=1e-10, msg=key)
+
+
+def test_sdpa_with_a_bias_runs_the_fused_kernel_on_cpu(monkeypatch):
+    """Guard for the tests above: on CPU the sdpa backend's bias path is the fused kernel."""
+    calls = []
+    original = attention.FusedBiasAttention.apply
+    monkeypatch.setattr(attention.FusedBiasAttention, "apply", lambda *a: calls.append(1) or original(*a))
+    model = model_for("t5", "sdpa").train()
+    model(ids_for(), torch.arange(LENGTH)[None]).sum().backward()
+    assert len(calls) == 2  # one per layer
+    assert model.encoding.table.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5", "kerple", "sandwich", "fire", "composite", "urpe"])
+def test_bias_built_once_per_forward_when_the_layers_share_it(name, monkeypatch):
+    model = model_for(name, "eager").eval()
+    calls = []
+    original = type(model.encoding).bias
+    monkeypatch.setattr(type(model.encoding), "bias", lambda self, *a: calls.append(a[-1]) or original(self, *a))
+    model(ids_for(), torch.arange(LENGTH)[None])
+    assert len(calls) == (1 if model.encoding.bias_layers_shared else len(model.blocks))
+    assert model.encoding.bias_layers_shared == (name != "fire")
+
+
+@pytest.mark.parametrize("name", [n for n in BIAS if REGISTRY[n].relative])
+def test_offset_rows_give_the_bias_of_every_block(name):
+    enc = make_encoding(name, d_model=32, n_heads=4, max_positions=64).double()
+    for p in enc.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    pos = torch.arange(7, 7 + LENGTH)[None]
+    context = PositionContext(enc, pos)
+    assert context.offset_rows(0) is not None
+    full = enc.bias(pos, pos, 0)  # [1, H, L, L]
+    for start, stop, end in ((0, 5, 5), (5, 11, 11), (20, 23, 23), (3, 9, LENGTH)):
+        torch.testing.assert_close(context.block_bias(0, start, stop, end), full[:, :, start:stop, :end],
+                                   rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5", "shaw", "transformer_xl", "nope"])
+def test_chunked_segment_recurrence_equals_reading_both_segments_at_once(name):
+    ids = ids_for(length=18)
+    for backend in backends_for(name):
+        model = model_for(name, backend).eval()
+        full = model(ids, torch.arange(18)[None])  # [B, 2L, V]
+        model.set_eval_chunk(4)
+        first, memory = model.forward_recurrent(ids[:, :9], None, memory_length=9)
+        second, _ = model.forward_recurrent(ids[:, 9:], memory, memory_length=9)
+        torch.testing.assert_close(torch.cat([first, second], 1), full, rtol=0, atol=1e-10, msg=backend)
