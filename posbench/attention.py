@@ -56,7 +56,7 @@ class FusedBiasAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, causal: bool, scale: float):
-        mask = bias.to(q.dtype)
+        mask = bias.to(torch.promote_types(q.dtype, torch.float32))  # a bf16 mask would round large biases
         out, lse = FUSED_CPU_FORWARD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)  # [B, H, L, d], [B, H, L]
         ctx.save_for_backward(q, k, v, mask, out, lse)
         ctx.causal, ctx.scale, ctx.bias_shape, ctx.bias_dtype = causal, scale, bias.shape, bias.dtype
@@ -281,8 +281,8 @@ class Attention(nn.Module):
     def query_block(self, encoding: Encoding, batch: int, length: int, keys: int) -> int | None:
         """Queries per block, or None for one call over all of them."""
         needs_logits = set(encoding.hooks) & {"bias", "key_term", "prob", "value_term"}
-        if not needs_logits:
-            return None  # fused kernels bound their own memory and skip the upper triangle
+        if not needs_logits or self.backend.name == "flex":
+            return None  # fused kernels (flex: block masks) bound their own memory and skip the upper triangle
         if not self.training:
             chunk = self.eval_chunk
             if chunk == "auto":  # the logits (eager) or the bias (sdpa) of one chunk within the budget
@@ -304,3 +304,6 @@ class Attention(nn.Module):
         return self.backend.attend(q[:, :, start:stop], k[:, :, :end], v[:, :, :end], self.encoding[0],
                                    positions.q_pos[:, start:stop], positions.k_pos[:, :end], self.layer,
                                    self.causal, bias)  # [B, H, stop - start, d]
+
+
+import posbench.flex  # noqa: E402,F401  registers FlexBackend in BACKENDS (it subclasses Backend, above)

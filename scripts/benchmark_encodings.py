@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import argparse
 import csv
-import ctypes
-import gc
 import json
 import math
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -41,7 +38,7 @@ MEMORY_METHODS = {
                "right after the model is built, through warm-up and timed steps (includes one-time runtime "
                "initialisation and the AdamW state); `step` = the same over the timed steps only, the "
                "high-water mark reset after warm-up (freed heap returned to the OS first with malloc_trim)",
-    "ru_maxrss": "`peak` = growth of getrusage ru_maxrss from after the model is built to after the steps "
+    "process_peak_rss": "`peak` = growth of getrusage ru_maxrss from after the model is built to after the steps "
                  "(no reset possible here, so no `step` column)",
     "cuda_max_allocated": "`peak` = torch.cuda.max_memory_allocated over warm-up and timed steps minus the "
                           "memory allocated after the model is built; `step` = the same over the timed steps "
@@ -80,62 +77,11 @@ def parse_list(text: str, kind, flag: str) -> list:
 
 # ---------------------------------------------------------------- child: one (encoding, length)
 
-def rss_kb(field: str) -> int:
-    """A memory field of /proc/self/status (VmRSS, VmHWM) in kB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-class PeakMemory:
-    """Peak memory since the last `start()`, in MB, and the level `start()` found (`base`).
-
-    CUDA: torch.cuda.max_memory_allocated. CPU: the resident-set high-water mark VmHWM, reset
-    to the current RSS by /proc/self/clear_refs after the freed heap is handed back to the OS;
-    where that reset is refused, getrusage's ru_maxrss, which cannot restart (`resettable` False).
-    """
-
-    def __init__(self, device):
-        import torch
-
-        self.torch, self.device = torch, device
-        self.kind = "cuda_max_allocated" if device.type == "cuda" else "rss_hwm"
-        self.resettable, self.base = True, 0.0
-
-    def start(self) -> None:
-        if self.kind == "cuda_max_allocated":
-            self.torch.cuda.synchronize(self.device)
-            self.torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = self.torch.cuda.memory_allocated(self.device) / 2**20
-            return
-        gc.collect()
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)  # else freed blocks would hide new allocations
-        except (OSError, AttributeError):
-            pass
-        if self.kind == "rss_hwm":
-            try:
-                Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux >= 4.0)
-                self.base = rss_kb("VmRSS") / 1024
-                return
-            except OSError:
-                self.kind, self.resettable = "ru_maxrss", False
-        self.base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-    def peak(self) -> float:
-        if self.kind == "cuda_max_allocated":
-            return self.torch.cuda.max_memory_allocated(self.device) / 2**20
-        if self.kind == "rss_hwm":
-            return rss_kb("VmHWM") / 1024
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def child(args: argparse.Namespace) -> None:
     import torch
 
-    from posbench.runner import build, resolve_device, sync
-    from tasks.base import batch_metrics
+    from posbench.memory import PeakMemory
+    from posbench.runner import build, make_optimizer, resolve_device, sync, train_step
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -146,23 +92,14 @@ def child(args: argparse.Namespace) -> None:
     model, task = built.model, built.task
     batch_size = args.batch_size or int(cfg.train.batch_size)
     model.train()
-    # the optimizer of posbench.runner.train: no weight decay on biases, norms and encoding parameters
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("encoding")]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or n.startswith("encoding")]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.train.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=cfg.train.lr, betas=(0.9, 0.98))
+    optimizer = make_optimizer(model, cfg.train)
     data_gen = torch.Generator(device).manual_seed(int(cfg.seed))
 
-    def train_step() -> tuple[torch.Tensor, int]:
+    def step() -> tuple[torch.Tensor, int]:
+        """posbench.runner.train_step, the runner's own, on a batch at exactly this length."""
         batch = task.sample(batch_size, args.length, data_gen)
         pos = torch.arange(batch.inputs.shape[1], device=device)[None]  # [1, T] sequential positions
-        logits = model(batch.inputs, pos)  # [B, T, V]
-        sums = batch_metrics(logits, batch)
-        loss = sums["loss_sum"] / sums["tokens"]
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-        optimizer.step()
+        loss, _ = train_step(model, model, task, batch, pos, optimizer, cfg.train, device)
         return loss.detach(), batch.inputs.shape[1]
 
     memory = PeakMemory(device)
@@ -170,7 +107,7 @@ def child(args: argparse.Namespace) -> None:
     built_mb = memory.base
     warm_peak_mb = built_mb
     for _ in range(args.warmup):
-        train_step()
+        step()
     if memory.resettable:
         warm_peak_mb = memory.peak()
         memory.start()  # the timed steps' own working memory, one-time initialisation excluded
@@ -178,7 +115,7 @@ def child(args: argparse.Namespace) -> None:
     for _ in range(args.steps):
         sync(device)
         start = time.perf_counter()
-        loss, tokens = train_step()
+        loss, tokens = step()
         sync(device)
         step_seconds.append(time.perf_counter() - start)
     if not math.isfinite(loss.item()):
