@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from posbench.encodings.base import Encoding, ModelDims, relative_distance
+from posbench.encodings.base import Encoding, ModelDims, relative_distance, score_positions
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
@@ -32,3 +32,12 @@ class ALiBi(Encoding):
     def bias(self, q_pos, k_pos, layer):
         distance = relative_distance(q_pos, k_pos).abs()  # [B', Lq, Lk]; causal masks j > i anyway
         return -self.slopes[:, None, None] * distance[:, None].to(self.slopes.dtype)  # [B', H, Lq, Lk]
+
+    def score_mod(self, q_pos, k_pos, layer):
+        slopes, positions = self.slopes, score_positions(q_pos, k_pos)
+
+        def alibi(score, b, h, q_idx, kv_idx):
+            i, j = positions(b, q_idx, kv_idx)
+            return score - slopes[h] * (i - j).abs().to(slopes.dtype)
+
+        return alibi

@@ -81,6 +81,12 @@ class Encoding(nn.Module):
         """-> [B', H, Lq, Lk], added to the scaled logits."""
         return None
 
+    def score_mod(self, q_pos: torch.Tensor, k_pos: torch.Tensor, layer: int):
+        """The bias as a FlexAttention score_mod: (score, b, h, q_idx, kv_idx) -> score plus the bias of
+        head h between query q_idx and key kv_idx of sequence b (positions [B', Lq], [B', Lk]), computed
+        one score at a time; None when the bias cannot be written so (backend=flex then refuses it)."""
+        return None
+
     def key_term(self, q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                  layer: int) -> torch.Tensor | None:
         """Content-dependent logit term -> [B, H, Lq, Lk], added after scaling."""
@@ -102,6 +108,29 @@ class Encoding(nn.Module):
 def relative_distance(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """i - j for every query/key pair: [B', Lq], [B', Lk] -> [B', Lq, Lk]."""
     return q_pos[:, :, None] - k_pos[:, None, :]
+
+
+def score_positions(q_pos: torch.Tensor, k_pos: torch.Tensor):
+    """Inside a score_mod: (b, q_idx, kv_idx) -> (i, j), the positions of query q_idx and key kv_idx of
+    sequence b; q_pos [B', Lq], k_pos [B', Lk], B' = 1 (shared by the batch) or B."""
+    q_row = (lambda b: q_pos[0]) if q_pos.shape[0] == 1 else (lambda b: q_pos[b])
+    k_row = (lambda b: k_pos[0]) if k_pos.shape[0] == 1 else (lambda b: k_pos[b])
+    return lambda b, q_idx, kv_idx: (q_row(b)[q_idx], k_row(b)[kv_idx])
+
+
+def offset_score_mod(encoding: Encoding, q_pos: torch.Tensor, k_pos: torch.Tensor, layer: int):
+    """A score_mod for a bias of i - j alone (a relative encoding): the encoding's own bias() of every
+    offset the positions span, built once as [H, n] rows, looked up per score."""
+    first, top = q_pos.min() - k_pos.max(), q_pos.max()  # tensors: an int would compile in as a constant
+    offsets = torch.arange(int(first), int(top - k_pos.min()) + 1, device=q_pos.device)  # i - j: [n]
+    rows = encoding.bias(top.view(1, 1), (top - offsets)[None], layer)[0, :, 0]  # keys at top - offset: [H, n]
+    positions = score_positions(q_pos, k_pos)
+
+    def lookup(score, b, h, q_idx, kv_idx):
+        i, j = positions(b, q_idx, kv_idx)
+        return score + rows[h, i - j - first]
+
+    return lookup
 
 
 def check_choice(owner: str, key: str, value, choices) -> None:

@@ -110,6 +110,18 @@ class Composite(Encoding):
     def bias(self, q_pos, k_pos, layer):
         return sum_terms(part.bias(q_pos, k_pos, layer) for part in self.parts_with("bias"))  # [B', H, Lq, Lk]
 
+    def score_mod(self, q_pos, k_pos, layer):
+        mods = [part.score_mod(q_pos, k_pos, layer) for part in self.parts_with("bias")]
+        if not mods or any(mod is None for mod in mods):
+            return None
+
+        def composite(score, b, h, q_idx, kv_idx):
+            for mod in mods:  # each part adds its bias
+                score = mod(score, b, h, q_idx, kv_idx)
+            return score
+
+        return composite
+
     def key_term(self, q, k, q_pos, k_pos, layer):
         return sum_terms(part.key_term(q, k, q_pos, k_pos, layer)
                          for part in self.parts_with("key_term"))  # [B, H, Lq, Lk]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from posbench.encodings.base import Encoding, ModelDims, relative_distance
+from posbench.encodings.base import Encoding, ModelDims, relative_distance, score_positions
 
 NORMALISER_EPS = 1e-6
 
@@ -66,3 +66,22 @@ class FIRE(Encoding):
         normalised = torch.log1p(c * distance) / normaliser[:, :, None]  # [B', Lq, Lk]
         # the MLP's hidden layer is [B', Lq, Lk, width]: the size of the logits for `width` heads
         return self.mlps[copy](normalised[..., None]).permute(0, 3, 1, 2)  # [B', H, Lq, Lk]
+
+    def score_mod(self, q_pos, k_pos, layer):
+        copy = 0 if self.share_layers else layer
+        c = self.c[copy].abs()
+        threshold = (self.threshold_scale[copy] * self.init_threshold).abs()
+        hidden, out = self.mlps[copy][0], self.mlps[copy][2]
+        w1, b1, w2, b2 = hidden.weight[:, 0], hidden.bias, out.weight, out.bias  # [width], [width], [H, width], [H]
+        positions, width = score_positions(q_pos, k_pos), self.mlp_width
+
+        def fire(score, b, h, q_idx, kv_idx):
+            i, j = positions(b, q_idx, kv_idx)
+            normaliser = torch.log1p(c * torch.maximum(i.to(c.dtype), threshold)) + NORMALISER_EPS
+            x = torch.log1p(c * (i - j).abs().to(c.dtype)) / normaliser
+            bias = b2[h]
+            for unit in range(width):  # the MLP unrolled: a score_mod works on one score at a time
+                bias = bias + w2[h, unit] * torch.relu(w1[unit] * x + b1[unit])
+            return score + bias
+
+        return fire

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posbench.encodings.base import Encoding, ModelDims, check_choice, relative_distance
+from posbench.encodings.base import Encoding, ModelDims, check_choice, relative_distance, score_positions
 
 VARIANTS = ("log", "power")
 # initial (r1, r2) ranges: the authors' U(0, 2) / U(0, 1) draws, kept 0.01 (their clamp floor) inside
@@ -63,3 +63,13 @@ class Kerple(Encoding):
         if self.variant == "log":
             return -r1 * torch.log1p(r2 * distance)  # [B', H, Lq, Lk]
         return -r1 * distance.pow(r2)  # [B', H, Lq, Lk]; 0^r2 = 0 on the diagonal
+
+    def score_mod(self, q_pos, k_pos, layer):
+        (r1, r2), positions, log = self.kernel_params(), score_positions(q_pos, k_pos), self.variant == "log"
+
+        def kerple(score, b, h, q_idx, kv_idx):
+            i, j = positions(b, q_idx, kv_idx)
+            distance = (i - j).abs().to(r1.dtype)
+            return score - r1[h] * (torch.log1p(r2[h] * distance) if log else distance.pow(r2[h]))
+
+        return kerple

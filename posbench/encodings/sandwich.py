@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from posbench.encodings.base import Encoding, ModelDims
+from posbench.encodings.base import Encoding, ModelDims, offset_score_mod
 from posbench.encodings.sinusoidal import sinusoidal_table
 
 
@@ -50,3 +50,7 @@ class Sandwich(Encoding):
         similarity = (p_q @ p_k.transpose(-1, -2) - self.dim / 2).to(self.heads.dtype)  # [B', Lq, Lk]
         spread = 8 * self.heads[:, None, None] / self.dims.n_heads  # [H, 1, 1]: 8h / H
         return similarity[:, None] / spread  # [B', H, Lq, Lk]
+
+    def score_mod(self, q_pos, k_pos, layer):
+        # a table per offset: the closed form would cost d'/2 cosines per score, in the score's precision
+        return offset_score_mod(self, q_pos, k_pos, layer)

@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from posbench.encodings.base import Encoding, ModelDims
+from posbench.encodings.base import Encoding, ModelDims, score_positions
 
 
 def t5_bucket(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int = 32,
@@ -83,3 +83,21 @@ class T5(Encoding):
         else:
             rows = self.offset_index(-relative.long())
         return self.table(rows).permute(0, 3, 1, 2)  # [B', H, Lq, Lk]
+
+    def score_mod(self, q_pos, k_pos, layer):
+        # every offset past max_distance shares the edge entry (bucketed: the last bucket; unbucketed: the
+        # clipped row), so one table row per offset in [-max_distance, max_distance] is exact
+        reach = self.max_distance
+        distance = torch.arange(-reach, reach + 1, device=q_pos.device)  # i - j: [2 reach + 1]
+        if self.bucketed:
+            rows = t5_bucket(-distance, self.bidirectional, self.num_buckets, self.max_distance)
+        else:
+            rows = self.offset_index(distance)
+        values = self.table(rows).t()  # [H, 2 reach + 1]
+        positions = score_positions(q_pos, k_pos)
+
+        def t5(score, b, h, q_idx, kv_idx):
+            i, j = positions(b, q_idx, kv_idx)
+            return score + values[h, (i - j).clamp(-reach, reach) + reach]
+
+        return t5

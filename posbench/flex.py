@@ -1,0 +1,93 @@
+"""The flex backend: FlexAttention with the encoding's bias as a `score_mod` (Encoding.score_mod) and
+the causal mask as a block mask, so that no [Lq, Lk] tensor is built and blocks above the diagonal
+are skipped. Runs the `qk` and `bias` hooks; an encoding whose bias has no score_mod is refused.
+
+FlexAttention is fast only through torch.compile: the compiled function is built once per process
+(`compiled_flex_attention`); on CPU the first call of each new shape compiles for 5-15 s (the runner
+times evaluation past its first batch). `FlexBackend(compiled=False)` runs the unfused path, which
+materialises the scores: for tests. On CPU FlexAttention is forward only: training there is refused,
+evaluation runs.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from posbench.attention import BACKENDS, Backend
+from posbench.encodings.base import Encoding
+
+BLOCK = 128  # queries and keys per block of the block mask (FlexAttention's default)
+CPU_TRAINING = ("backend=flex trains on CUDA only; on CPU it evaluates (forward only); "
+                "use backend=sdpa or auto for training")
+
+
+@functools.cache
+def compiled_flex_attention(dynamic: bool):
+    """flex_attention through torch.compile, built once per process. Dynamic shapes on CUDA, where training
+    lengths vary; static on CPU, where inductor's C++ FlexAttention template does not compile with dynamic
+    shapes (torch 2.13): there each new shape compiles anew, for seconds."""
+    return torch.compile(flex_attention, dynamic=dynamic)
+
+
+def causal_block_mask(lq: int, lk: int, device) -> BlockMask:
+    """Query i sees key j <= i + lk - lq (queries aligned to the last keys), built block by block without
+    an [Lq, Lk] mask. Per row of query blocks, the key blocks every query of which sees whole come
+    first (full: no mask_mod), then those on the diagonal (partial); blocks cut by the sequence end are
+    never full, as in create_block_mask."""
+    shift = lk - lq
+    n_q, n_k = -(-lq // BLOCK), -(-lk // BLOCK)
+    q_first = torch.arange(n_q, device=device) * BLOCK  # [Nq]
+    q_last = (q_first + BLOCK - 1).clamp(max=lq - 1)  # [Nq]
+    n_full = (torch.clamp(q_first + shift + 1, max=lk) // BLOCK) * (q_first + BLOCK <= lq)  # [Nq]
+    n_seen = torch.clamp((q_last + shift) // BLOCK + 1, max=n_k)  # [Nq]: key blocks any of its queries sees
+    order = torch.arange(n_k, device=device)  # [Nk]
+    full = order.expand(n_q, n_k)  # [Nq, Nk]: full blocks 0..n_full-1
+    partial = (order + n_full[:, None]).clamp(max=n_k - 1)  # [Nq, Nk]: partial blocks n_full..n_seen-1
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx + shift >= kv_idx
+
+    def blocks(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.int32)[None, None]  # [1, 1, ...]: shared by every sequence and head
+
+    return BlockMask.from_kv_blocks(blocks(n_seen - n_full), blocks(partial), blocks(n_full), blocks(full),
+                                    BLOCK_SIZE=BLOCK, mask_mod=causal, seq_lengths=(lq, lk))
+
+
+def tensor_device(encoding: Encoding) -> torch.device:
+    tensor = next(iter([*encoding.parameters(), *encoding.buffers()]), None)
+    return torch.device("cpu") if tensor is None else tensor.device
+
+
+class FlexBackend(Backend):
+    name = "flex"
+    supported_hooks = frozenset({"qk", "bias"})
+
+    def __init__(self, compiled: bool = True):
+        self.compiled = compiled
+
+    def check(self, encoding: Encoding) -> None:
+        super().check(encoding)
+        if "bias" not in encoding.hooks:
+            return
+        pos = torch.zeros(1, 1, dtype=torch.long, device=tensor_device(encoding))  # [1, 1]: one query, one key
+        if encoding.score_mod(pos, pos, 0) is None:
+            hooks = set(encoding.hooks) - {"embed"}
+            valid = [b for b, cls in BACKENDS.items() if b != self.name and hooks <= cls.supported_hooks]
+            raise ValueError(f"backend=flex cannot run encoding {encoding.name}: its bias has no FlexAttention "
+                             f"score_mod (Encoding.score_mod); use backend={valid[0]} (backends that can: {valid})")
+
+    def attend(self, q, k, v, encoding, q_pos, k_pos, layer, causal, bias=None):
+        """As Backend.attend; a `bias` built by the caller is not used: the score_mod computes it per score."""
+        if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise ValueError(CPU_TRAINING)
+        score_mod = encoding.score_mod(q_pos, k_pos, layer) if "bias" in encoding.hooks else None
+        block_mask = causal_block_mask(q.shape[-2], k.shape[-2], q.device) if causal else None
+        attend = compiled_flex_attention(q.is_cuda) if self.compiled else flex_attention
+        return attend(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                      scale=encoding.logit_scale(q.shape[-1]))  # [B, H, Lq, d]
+
+
+BACKENDS[FlexBackend.name] = FlexBackend  # here, not in attention.py: this module imports that one
