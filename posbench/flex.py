@@ -57,6 +57,7 @@ def causal_block_mask(lq: int, lk: int, device) -> BlockMask:
 
 
 def tensor_device(encoding: Encoding) -> torch.device:
+    """Where the encoding's parameters and buffers are (CPU when it has none)."""
     tensor = next(iter([*encoding.parameters(), *encoding.buffers()]), None)
     return torch.device("cpu") if tensor is None else tensor.device
 
