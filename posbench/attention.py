@@ -106,6 +106,7 @@ def blockwise_backward(q, k, v, bias, out, lse, grad_out, causal: bool, scale: f
 class Backend:
     name = ""
     supported_hooks: frozenset[str] = frozenset()
+    takes_bias = True  # attend() uses a bias tensor the caller built (flex builds its own score_mod)
 
     def check(self, encoding: Encoding) -> None:
         missing = set(encoding.hooks) - {"embed"} - self.supported_hooks
@@ -211,22 +212,30 @@ class PositionContext:
             self.full[key] = self.encoding.bias(self.q_pos, self.k_pos, layer)
         return self.full[key]
 
-    def block_bias(self, layer: int, start: int, stop: int, end: int) -> torch.Tensor | None:
+    def block_bias(self, layer: int, start: int, stop: int, end: int, causal: bool = False) -> torch.Tensor | None:
         """The bias of queries start:stop against keys :end, [B', H, stop - start, end], without
-        building the whole: gathered from per-offset rows when the encoding is relative and the
-        positions contiguous, else built for the block."""
+        building the whole (with -inf where a causal query may not look, queries aligned to the
+        last keys): taken from per-offset rows when the encoding is relative and the positions
+        contiguous, else built for the block. In evaluation: one tensor per block, no copies."""
         if not self.has_bias:
             return None
-        q_pos, k_pos = self.q_pos[:, start:stop], self.k_pos[:, :end]
+        above = ~causal_mask(stop - start, end, self.q_pos.device) if causal else None  # [b, end]
         rows = self.offset_rows(layer)
         if rows is None:
-            return self.encoding.bias(q_pos, k_pos, layer)
-        index = q_pos[0, :, None] - k_pos[0, None, :] + (self.k_pos.shape[1] - 1)  # i - j + Lk - 1: [b, end]
-        return rows[:, :, index]  # [1, H, b, end]
+            bias = self.encoding.bias(self.q_pos[:, start:stop], self.k_pos[:, :end], layer)  # [B', H, b, end]
+            return bias if above is None else bias.masked_fill(above, float("-inf"))
+        # reversed rows r[u] = f(Lk - 1 - u): query i (key index) and key j read u = Lk - 1 - i + j, so
+        # the block's queries taken last to first form a strided view; flipping it back copies it once
+        last_query = stop + self.k_pos.shape[1] - self.q_pos.shape[1]  # one past the block, in key indices
+        view = rows.as_strided((1, rows.shape[1], stop - start, end), (rows.stride(0), rows.stride(1), 1, 1),
+                               rows.storage_offset() + self.k_pos.shape[1] - last_query)  # [1, H, b, end]
+        bias = view.flip(-2)  # [1, H, b, end], its own memory
+        return bias if above is None else bias.masked_fill_(above, float("-inf"))
 
     def offset_rows(self, layer: int) -> torch.Tensor | None:
-        """f(i - j) for i - j in -(Lk - 1)..(Lk - 1) as [1, H, 2 Lk - 1], for a relative encoding
-        over contiguous positions shared by the batch, the queries the last keys; None otherwise."""
+        """f(i - j) for i - j from Lk - 1 down to -(Lk - 1) as [1, H, 2 Lk - 1] (reversed), for a
+        relative encoding over contiguous positions shared by the batch, the queries the last keys;
+        None otherwise."""
         key = self.layer_key(layer)
         if key not in self.rows:
             self.rows[key] = None
@@ -237,7 +246,7 @@ class PositionContext:
                 last, first = k_pos[:, -1:], k_pos[:, :1]
                 after = self.encoding.bias(first, k_pos, layer)[:, :, 0].flip(-1)  # i - j = -(Lk-1)..0
                 before = self.encoding.bias(last, k_pos, layer)[:, :, 0].flip(-1)  # i - j = 0..Lk-1
-                self.rows[key] = torch.cat([after, before[..., 1:]], dim=-1)  # [1, H, 2 Lk - 1]
+                self.rows[key] = torch.cat([after, before[..., 1:]], dim=-1).flip(-1).contiguous()  # [1, H, 2 Lk - 1]
         return self.rows[key]
 
 
@@ -271,8 +280,8 @@ class Attention(nn.Module):
             q, k = encoding.qk(q, k, q_pos, k_pos, self.layer)
         block = self.query_block(encoding, q.shape[0], length, k.shape[-2])
         if block is None:
-            y = self.backend.attend(q, k, v, encoding, q_pos, k_pos, self.layer, self.causal,
-                                    positions.bias(self.layer))  # [B, H, L, d]
+            bias = positions.bias(self.layer) if self.backend.takes_bias else None
+            y = self.backend.attend(q, k, v, encoding, q_pos, k_pos, self.layer, self.causal, bias)  # [B, H, L, d]
         else:
             y = torch.cat([self.attend_block(q, k, v, positions, start, min(length, start + block))
                            for start in range(0, length, block)], dim=2)  # [B, H, L, d]
@@ -296,14 +305,16 @@ class Attention(nn.Module):
     def attend_block(self, q, k, v, positions: PositionContext, start: int, stop: int) -> torch.Tensor:
         """Queries start:stop against the keys they may see: their prefix when causal."""
         end = stop + k.shape[-2] - q.shape[-2] if self.causal else k.shape[-2]
+        causal = self.causal
         if self.training:
             full = positions.bias(self.layer)
             bias = None if full is None else full[:, :, start:stop, :end]
         else:
-            bias = positions.block_bias(self.layer, start, stop, end)
+            bias = positions.block_bias(self.layer, start, stop, end, causal)
+            causal = causal and bias is None  # the block's mask holds the causal -inf already
         return self.backend.attend(q[:, :, start:stop], k[:, :, :end], v[:, :, :end], self.encoding[0],
                                    positions.q_pos[:, start:stop], positions.k_pos[:, :end], self.layer,
-                                   self.causal, bias)  # [B, H, stop - start, d]
+                                   causal, bias)  # [B, H, stop - start, d]
 
 
 import posbench.flex  # noqa: E402,F401  registers FlexBackend in BACKENDS (it subclasses Backend, above)

@@ -65,6 +65,7 @@ def tensor_device(encoding: Encoding) -> torch.device:
 class FlexBackend(Backend):
     name = "flex"
     supported_hooks = frozenset({"qk", "bias"})
+    takes_bias = False  # the bias enters as a score_mod, never as a tensor
 
     def __init__(self, compiled: bool = True):
         self.compiled = compiled

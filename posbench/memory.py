@@ -35,6 +35,20 @@ def trim_heap() -> None:
         pass
 
 
+MMAP_THRESHOLD = 128 * 1024  # bytes; glibc's default threshold grows to 32 MiB once large blocks are freed
+
+
+def return_large_blocks() -> None:
+    """Make glibc serve every allocation over MMAP_THRESHOLD by mmap, so a freed block goes back to
+    the OS at once. Chunked evaluation frees and allocates blocks of changing sizes; on the heap they
+    fragment it, and the resident set climbs to several times what is live (t5 at 16k tokens:
+    0.7 GiB over the model instead of 0.17). No-op where glibc's mallopt is missing."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 class PeakMemory:
     """Peak memory in MiB since the last `start()`, and the level `start()` found (`base`)."""
 

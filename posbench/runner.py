@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from posbench.attention import get_backend
 from posbench.encodings.base import Encoding, ModelDims
 from posbench.loggers import build_logger
-from posbench.memory import PeakMemory
+from posbench.memory import PeakMemory, return_large_blocks
 from posbench.model import ModelConfig, Transformer
 from posbench.positions import PositionScheme
 from posbench.results import RowWriter, plot_run
@@ -255,6 +255,7 @@ def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.devi
     model.eval()
     model.set_eval_chunk(eval_chunk(cfg_eval.chunk))
     built.encoding.set_eval_length(task.sequence_length(built.train_length), task.sequence_length(length))
+    return_large_blocks()
     memory = PeakMemory(device)
     memory.start()
     gen = torch.Generator(device).manual_seed(int(cfg_eval.seed) + length)
