@@ -161,7 +161,8 @@ def run_table(frame, metrics: dict[str, str], threshold: float):
 def summary_table(frame):
     """One row per (group, evaluation length): the group's runs, n measured at this length,
     and mean, std (ddof 1), min, max over them of every measured metric and cost."""
-    measured = [m for m in (*HEADLINE_METRICS, *COST_COLUMNS) if m in frame and frame[m].notna().any()]
+    measured = [m for m in HEADLINE_METRICS if m in frame and frame[m].notna().any()]
+    measured += [m for m in COST_COLUMNS if m in frame]  # kept when unmeasured: the cost figure says so
     ok = frame[frame["status"] == "ok"]
     keys = ["group", "label", "task", "encoding", "train_length", "eval_length"]
     base = frame.groupby(keys, sort=True).agg(ratio=("ratio", "first"))
@@ -259,7 +260,7 @@ def headline_rows(headline):
                      "extrapolation L": pm(r, "extrapolation_length", "int"),
                      "L / N": pm(r, "extrapolation_ratio", "ratio"),
                      "train tok/s": fmt(r["train_tokens_per_s_mean"], "count"),
-                     f"eval tok/s at longest": fmt(r["eval_tokens_per_s_at_longest_mean"], "count"),
+                     "eval tok/s at longest": fmt(r["eval_tokens_per_s_at_longest_mean"], "count"),
                      "peak MiB at longest": fmt(r["peak_mem_mb_at_longest_mean"], "count"),
                      "incomplete": str(r["incomplete_runs"]) if r["incomplete_runs"] else ""})
     return rows

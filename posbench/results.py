@@ -9,6 +9,8 @@ import json
 import os
 from pathlib import Path
 
+from posbench.memory import PER_STRETCH_KINDS
+
 ROW_FILE = "results.jsonl"
 METRICS = ("exact_match", "token_acc", "loss")
 METRIC_LABELS = {"exact_match": "exact-match accuracy", "token_acc": "token accuracy", "loss": "loss",
@@ -86,6 +88,8 @@ def collect(paths):
         if key not in frame:
             frame[key] = None
     frame["init_steps"] = frame["init_steps"].fillna(0).astype(int)  # older rows: trained from scratch
+    # a process-lifetime peak (rows before per-length measurement) says nothing about its own length
+    frame.loc[~frame["mem_kind"].isin(PER_STRETCH_KINDS), "peak_mem_mb"] = None
     for key in ("encoding_params", "task_params", "model"):
         frame[key] = frame[key].map(lambda v: json.dumps(v, sort_keys=True) if isinstance(v, dict) else v)
     frame.attrs["unreadable"] = unreadable
@@ -225,7 +229,8 @@ def plot_cost(summary, path: str | Path) -> None:
     plt = _pyplot()
     tasks = sorted(summary["task"].unique())
     styles = _line_styles(summary["label"].unique())
-    mem_kinds = ", ".join(sorted(summary["mem_kind"].dropna().unique())) or "unmeasured"
+    measured = summary["peak_mem_mb_mean"].notna()
+    mem_kinds = ", ".join(sorted(summary.loc[measured, "mem_kind"].dropna().unique())) or "not measured per length"
     fig, axes = plt.subplots(2, len(tasks), figsize=(5.0 * len(tasks) + 2.5, 6.4), squeeze=False,
                              layout="constrained")
     panels = (("eval_tokens_per_s", "evaluation tokens / s"), ("peak_mem_mb", f"peak memory, MiB ({mem_kinds})"))

@@ -113,7 +113,7 @@ def write_run(root: Path, name: str, encoding: str, seed: int, curve: dict, task
             "exact_match": exact if measured else None, "token_acc": exact if measured else None,
             "loss": 1.0 - exact if measured else None,
             "eval_tokens_per_s": 100.0 * length if measured else None,
-            "peak_mem_mb": 10.0 * length if measured else None, "mem_kind": "process_peak_rss" if measured else None,
+            "peak_mem_mb": 10.0 * length if measured else None, "mem_kind": "rss_hwm" if measured else None,
             "device": "cpu", "torch": "test", "git_commit": "abc", "time": f"2026-01-01T00:00:{length:02d}"}
         writer.write(row)
     return run_dir
@@ -260,6 +260,7 @@ def test_one_run_one_seed_and_language_model_rows(tmp_path):
     assert headline["metric"] == "perplexity" and headline["label"] == "alibi"
     assert (headline["id_score_mean"], headline["extrapolation_length_mean"]) == (4.0, 128)
     assert headline["ood_score_mean"] == pytest.approx(5.1) and math.isnan(headline["ood_score_std"])
+    assert math.isnan(headline["peak_mem_mb_at_longest_mean"])  # a process-lifetime peak is not the length's own
     assert (out / "comparison_perplexity.png").exists()
     assert "| 4.000 ± – | 5.100 ± – |" in (out / "report.md").read_text()
     write_report([run_dir], out=tmp_path / "sliding", metric="sliding_perplexity")
