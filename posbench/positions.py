@@ -20,7 +20,7 @@ SCHEMES = ("sequential", "randomized", "offset")
 
 
 class PositionScheme:
-    unit = "tokens"  # what max_position counts: tokens of a sequence (cells of a grid's side in GridPositions)
+    longest_is = "the longest evaluated sequence has {} tokens"  # what `check` compares max_position with
 
     def __init__(self, scheme: str, max_position: int):
         if scheme not in SCHEMES:
@@ -30,10 +30,10 @@ class PositionScheme:
         self.scheme, self.max_position = scheme, max_position
 
     def check(self, longest: int) -> None:
-        """Refuse before training when a sequence of `longest` tokens cannot get distinct positions."""
+        """Refuse before training when a sequence of `longest` tokens (a grid side) cannot get distinct positions."""
         if longest > self.max_position:
             raise ValueError(f"train.positions={self.scheme} uses positions in [0, train.max_position="
-                             f"{self.max_position}) but the longest evaluated sequence has {longest} {self.unit}; "
+                             f"{self.max_position}) but {self.longest_is.format(longest)}; "
                              f"set train.max_position >= {longest} (positions are never clamped)")
 
     def __call__(self, length: int, generator: torch.Generator) -> torch.Tensor:
@@ -60,7 +60,7 @@ class PositionScheme:
 class GridPositions(PositionScheme):
     """The scheme per axis on a grid; max_position bounds each axis (a grid's side), not the cells."""
 
-    unit = "cells on a side"
+    longest_is = "the largest evaluated grid has {} cells on a side"
 
     def for_batch(self, batch, generator: torch.Generator) -> torch.Tensor:
         """(row, column) of every cell in raster order: [1, H*W, 2]."""

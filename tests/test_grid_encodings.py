@@ -61,8 +61,8 @@ def test_sinusoidal_2d_matches_article_000():
         for i in range(half // 2):
             angle_w, angle_h = w / 10000 ** (2 * i / half), h / 10000 ** (2 * i / half)
             expected = [math.sin(angle_w), math.cos(angle_w), math.sin(angle_h), math.cos(angle_h)]
-            got = [out[0, cell, 2 * i], out[0, cell, 2 * i + 1], out[0, cell, half + 2 * i], out[0, cell, half + 2 * i + 1]]
-            assert [g.item() for g in got] == pytest.approx(expected, abs=1e-6)  # a float32 table
+            got = out[0, cell, [2 * i, 2 * i + 1, half + 2 * i, half + 2 * i + 1]].tolist()
+            assert got == pytest.approx(expected, abs=1e-6)  # a float32 table
 
 
 def test_sinusoidal_2d_needs_d_model_divisible_by_4():
@@ -259,7 +259,7 @@ def test_t5_2d_refuses_bad_sizes():
 def test_alibi_2d_distances_by_hand(distance, expected):
     enc = REGISTRY["alibi_2d"](grid_dims(n_heads=4, d_model=16), distance=distance)
     query = torch.tensor([[[2, 3]]])
-    keys = torch.tensor([[[2, 3], [5, 7], [-1, -1], [2, 4], [1, 2], [14, 8]]])  # |dy|, |dx|: 0 0, 3 4, 3 4, 0 1, 1 1, 12 5
+    keys = torch.tensor([[[2, 3], [5, 7], [-1, -1], [2, 4], [1, 2], [14, 8]]])  # |dy| |dx|: 00 34 34 01 11 (12)5
     bias = enc.bias(query, keys, 0)  # [1, H, 1, 6]
     for h, slope in enumerate(alibi_slopes(4).tolist()):
         assert bias[0, h, 0].tolist() == pytest.approx([-slope * e for e in expected], rel=1e-6)
@@ -417,5 +417,5 @@ def test_composite_of_2d_parts_equals_its_parts():
 
 
 def test_composite_refuses_1d_beside_2d_parts():
-    with pytest.raises(ValueError, match=r"parts \['rope'\] read 1-D positions .* parts \['t5_2d'\] read \(row, column\)"):
+    with pytest.raises(ValueError, match=r"parts \['rope'\] read 1-D .* parts \['t5_2d'\] read \(row, column\)"):
         make_encoding("composite", parts=["rope", "t5_2d"])

@@ -87,12 +87,12 @@ class Encoding(nn.Module):
         return 1.0 / math.sqrt(head_dim)
 
     def embed(self, x: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x: [B, L, D] token embeddings, pos: [B', L], ids: [B, L] token ids -> [B, L, D]."""
+        """x: [B, L, D] token embeddings, pos: [B', L] ([B', L, 2] if position_dims = 2), ids: [B, L] -> [B, L, D]."""
         return x
 
     def qk(self, q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
            layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [B, H, Lq, d], k: [B, H, Lk, d] -> the same shapes."""
+        """q: [B, H, Lq, d], k: [B, H, Lk, d] at q_pos [B', Lq(, 2)], k_pos [B', Lk(, 2)] -> the same shapes."""
         return q, k
 
     def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor, layer: int) -> torch.Tensor | None:

@@ -12,7 +12,8 @@ from posbench.encodings.base import Encoding, ModelDims, check_choice, require_g
 from posbench.encodings.sinusoidal import LAYOUTS, sinusoidal_table
 
 
-def sinusoidal_2d_table(pos: torch.Tensor, dim: int, base: float = 10000.0, layout: str = "interleaved") -> torch.Tensor:
+def sinusoidal_2d_table(pos: torch.Tensor, dim: int, base: float = 10000.0,
+                        layout: str = "interleaved") -> torch.Tensor:
     """pos: [..., 2] (row, column) -> [..., dim]: the column's table, then the row's, dim/2 each."""
     rows, cols = pos.unbind(-1)  # [...] each
     half = dim // 2
