@@ -70,7 +70,8 @@ class Transformer(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """ids: [B, L] token ids, pos: [B', L] position ids -> logits [B, L, V]."""
+        """ids: [B, L] token ids, pos: [B', L] position ids (or [B', L, 2] on a grid) -> logits [B, L, V]."""
+        pos = self.encoding.read_positions(pos)  # a 1-D encoding on a grid reads the raster index [B', L]
         x = self.tok(ids)  # [B, L, D]
         if "embed" in self.encoding.hooks:
             x = self.encoding.embed(x, pos, ids)  # [B, L, D]

@@ -21,7 +21,7 @@ from posbench.encodings.base import Encoding, ModelDims
 from posbench.loggers import build_logger
 from posbench.memory import PeakMemory, return_large_blocks
 from posbench.model import ModelConfig, Transformer
-from posbench.positions import PositionScheme
+from posbench.positions import PositionScheme, position_scheme
 from posbench.results import RowWriter, plot_run
 from tasks.base import Task
 
@@ -98,18 +98,14 @@ def build(cfg: DictConfig, device: torch.device) -> Built:
     if train_length < 1:
         raise ValueError(f"train.length={train_length}: must be >= 1")
     lengths = eval_lengths(cfg.eval, train_length)
-    longest = max(task.sequence_length(n) for n in [train_length, *lengths])
-    positions = PositionScheme(cfg.train.positions, cfg.train.max_position or longest)
-    positions.check(longest)
+    positions = position_scheme(task, cfg.train.positions, cfg.train.max_position, [train_length, *lengths])
     model_cfg = ModelConfig(vocab_size=task.vocab_size, **OmegaConf.to_container(cfg.model))
     task_causal = getattr(task, "causal", model_cfg.causal)
     if task_causal != model_cfg.causal:  # a decoder layout read bidirectionally would see its answers
         raise ValueError(f"task.causal={task_causal} but model.causal={model_cfg.causal}: the task's layout must "
                          "match the model; set model.causal only (the task follows it by default)")
     dims = ModelDims(d_model=model_cfg.d_model, n_heads=model_cfg.n_heads, n_layers=model_cfg.n_layers,
-                     max_positions=positions.max_position,
-                     train_positions=positions.max_position if positions.scheme != "sequential"
-                     else task.sequence_length(train_length), causal=model_cfg.causal,
+                     **positions.model_extents(task, train_length), causal=model_cfg.causal,
                      vocab_size=task.vocab_size)
     torch.manual_seed(cfg.seed)
     encoding = instantiate(cfg.encoding)(dims=dims)
@@ -222,10 +218,10 @@ def train(built: Built, cfg: DictConfig, device: torch.device, logger) -> dict:
         length = built.train_length
         if cfg_train.lengths == "uniform":
             length = int(torch.randint(1, built.train_length + 1, (1,), generator=length_gen))
-        batch = task.sample(cfg_train.batch_size, length, data_gen)
+        batch = task.train_sample(cfg_train.batch_size, length, built.train_length, data_gen)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, cfg_train)
-        positions = built.positions(batch.inputs.shape[1], data_gen)  # [1, T]
+        positions = built.positions.for_batch(batch, data_gen)  # [1, T] or [1, T, 2]
         loss, sums = train_step(model, forward, task, batch, positions, optimizer, cfg_train, device)
         if step >= TIMING_WARMUP_STEPS:
             timed_tokens += batch.inputs.numel()
@@ -274,7 +270,7 @@ def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.devi
                 logits, held = model.forward_recurrent(batch.inputs, None if batch.new_stream else held,
                                                        memory_length)  # [B, T, V]
             else:
-                logits = model(batch.inputs, built.positions(batch.inputs.shape[1], gen))  # [B, T, V]
+                logits = model(batch.inputs, built.positions.for_batch(batch, gen))  # [B, T, V]
         sums = task.batch_sums(logits.float(), batch)
         sync(device)
         if first is None:  # the first batch is warm-up; kept only if it is the only one

@@ -202,7 +202,8 @@ def markdown_table(rows: list[dict], args: argparse.Namespace) -> str:
 def parent(args: argparse.Namespace) -> None:
     from posbench.encodings import REGISTRY
 
-    encodings = parse_list(args.encodings, str, "--encodings") if args.encodings else list(REGISTRY)
+    sequence_encodings = [name for name, cls in REGISTRY.items() if cls.position_dims == 1]  # 2-D ones need grids
+    encodings = parse_list(args.encodings, str, "--encodings") if args.encodings else sequence_encodings
     unknown = [name for name in encodings if name not in REGISTRY]
     if unknown:
         raise SystemExit(f"--encodings: unknown {unknown}; registered: {sorted(REGISTRY)}")

@@ -3,6 +3,7 @@ from tasks.arithmetic import (Addition, BinaryAddition, CycleNavigation, Modular
                               PolynomialEvaluation, Summation)
 from tasks.base import Batch, Task
 from tasks.copy import Copy
+from tasks.grid import GridFlip, GridNearest, GridRowCount, Life
 from tasks.lego import Lego
 from tasks.retrieval import AssociativeRecall, Passkey
 from tasks.reverse import Reverse
@@ -16,7 +17,8 @@ LENGTH_GENERALISATION = (  # Kazemnejad et al. 2023; Deletang et al. 2022 / Ruos
     EvenPairs, ModularArithmetic, CycleNavigation, StackManipulation, BucketSort, BinaryAddition,
     MissingDuplicate, OddsFirst,
 )
+GRID = (Life, GridFlip, GridRowCount, GridNearest)  # position_dims = 2: trained at N x N, evaluated at kN x kN
 REGISTRY: dict[str, type[Task]] = {cls.name: cls for cls in (Copy, Reverse, Sort, WikiText, Passkey, AssociativeRecall,
-                                                             *LENGTH_GENERALISATION)}
+                                                             *LENGTH_GENERALISATION, *GRID)}
 
 __all__ = ["REGISTRY", "Batch", "Task"]

@@ -20,6 +20,7 @@ class Batch:
     inputs: torch.Tensor  # [B, T] token ids fed to the model
     targets: torch.Tensor  # [B, T] next-token ids
     loss_mask: torch.Tensor  # [B, T] bool, True where the prediction is scored
+    grid: tuple[int, int] | None = None  # (H, W) when the T = H * W tokens are a grid's cells in raster order
 
 
 class Task:
@@ -29,6 +30,7 @@ class Task:
     name: str = ""
     vocab_size: int = 0
     default_length: int = 16
+    position_dims: int = 1  # the positions handed to the model: 1 ids [1, T]; 2 (row, column) [1, T, 2] (grids)
 
     def params(self) -> dict:
         return {}
@@ -38,6 +40,11 @@ class Task:
 
     def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
         raise NotImplementedError
+
+    def train_sample(self, batch_size: int, length: int, train_length: int, generator: torch.Generator) -> Batch:
+        """One training batch at the drawn length (train.lengths), N = train_length; grid tasks draw
+        their width here. Default: `sample` at that length."""
+        return self.sample(batch_size, length, generator)
 
     def eval_batches(self, length: int, samples: int, batch_size: int,
                      generator: torch.Generator) -> Iterator[Batch]:

@@ -39,6 +39,10 @@ def test_task_configs_equal_the_registry():
 @pytest.mark.parametrize("task", options("task"))
 def test_every_encoding_and_task_builds(encoding, task):
     cfg = compose_cfg(f"encoding={encoding}", f"task={task}")
+    if ENCODINGS[encoding].position_dims == 2 and TASKS[task].position_dims == 1:  # (row, column) on a sequence
+        with pytest.raises(ValueError, match=f"encoding {encoding} reads .* needs a grid task"):
+            build(cfg, torch.device("cpu"))
+        return
     built = build(cfg, torch.device("cpu"))
     assert built.encoding.name == encoding and built.task.name == task
     n = built.task.default_length

@@ -11,7 +11,7 @@ from posbench.encodings.rope import rotate, rope_inv_freq
 from posbench.encodings.sinusoidal import sinusoidal_table
 from posbench.encodings.t5 import t5_bucket
 from posbench.model import ModelConfig, Transformer
-from tests.conftest import make_encoding
+from tests.conftest import grid_positions, make_encoding, positions_for
 
 
 def test_sinusoidal_interleaved_matches_closed_formula():
@@ -172,10 +172,9 @@ def test_relative_encodings_are_shift_invariant(name, causal):
     for p in enc.parameters():  # learned tables start at zero: make them matter
         torch.nn.init.normal_(p)
     q, k = torch.randn(1, 2, 12, 8, dtype=torch.float64), torch.randn(1, 2, 12, 8, dtype=torch.float64)
-    pos = torch.arange(12)[None]
-    base = logits_of(enc, pos, q, k)
-    for shift in (1, 37, 1000):
-        torch.testing.assert_close(logits_of(enc, pos + shift, q, k), base, rtol=0, atol=1e-9)
+    base = logits_of(enc, positions_for(name, 12), q, k)  # 2-D encodings: a 3 x 4 grid
+    for shift in (1, 37, 1000):  # 2-D: rows by shift, columns by 2 * shift + 1
+        torch.testing.assert_close(logits_of(enc, positions_for(name, 12, shift), q, k), base, rtol=0, atol=1e-9)
 
 
 def test_absolute_encodings_are_not_shift_invariant():
@@ -198,7 +197,7 @@ def tiny_model(name: str, backend: str = "eager", causal: bool = True) -> Transf
 def test_causality_future_tokens_never_change_the_past(name):
     model = tiny_model(name)
     ids = torch.randint(0, 11, (3, 30), generator=torch.Generator().manual_seed(1))
-    pos = torch.arange(30)[None]
+    pos = positions_for(name, 30)  # 2-D encodings: a 5 x 6 grid in raster order
     out = model(ids, pos)
     for t in (0, 9, 28):
         changed = ids.clone()
@@ -219,7 +218,7 @@ def test_sdpa_backend_matches_eager(name, causal):
     sdpa = tiny_model(name, "sdpa", causal)
     sdpa.load_state_dict(eager.state_dict())
     ids = torch.randint(0, 11, (2, 25), generator=torch.Generator().manual_seed(2))
-    pos = torch.arange(25)[None]
+    pos = positions_for(name, 25)  # 2-D encodings: a 5 x 5 grid
     torch.testing.assert_close(sdpa(ids, pos), eager(ids, pos), rtol=0, atol=1e-10)
 
 
@@ -242,11 +241,13 @@ def test_backends_refuse_hooks_they_cannot_run():
 
 
 def test_per_sequence_positions_broadcast():
-    """Positions may differ per sequence ([B, L]); each row must equal its own single-row run."""
+    """Positions may differ per sequence ([B, L], grids [B, L, 2]); each row must equal its own single-row run."""
     for name in sorted(REGISTRY):
         model = tiny_model(name)
         ids = torch.randint(0, 11, (2, 10), generator=torch.Generator().manual_seed(3))
         pos = torch.stack((torch.arange(10), torch.arange(10) + 5))  # [2, 10]
+        if REGISTRY[name].position_dims == 2:  # 2 x 5 grids at (0, 0) and (1, 1), inside learned_2d's table
+            pos = torch.cat((grid_positions(2, 5), grid_positions(2, 5, 1, 1)))  # [2, 10, 2]
         both = model(ids, pos)
         for b in range(2):
             torch.testing.assert_close(both[b], model(ids[b: b + 1], pos[b: b + 1])[0], rtol=0, atol=1e-10)

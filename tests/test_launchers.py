@@ -15,6 +15,7 @@ from hydra.types import RunMode
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
 CORPUS_TASKS = {"wikitext"}  # not synthetic: left out of the suite
+GRID_TASKS = {"life", "grid_flip", "grid_row_count", "grid_nearest"}  # experiment=grid_extrapolation's
 
 
 def options(group: str) -> list[str]:
@@ -59,21 +60,42 @@ def test_slurm_defaults_resolve_on_the_command_line():
         assert line in result.stdout
 
 
+def encodings_of_dims(dims: int) -> list[str]:
+    from posbench.encodings import REGISTRY
+
+    return sorted(name for name in options("encoding") if REGISTRY[name].position_dims == dims)
+
+
 def test_synthetic_suite_sweeps_every_encoding_task_and_three_seeds():
+    """Every 1-D encoding on every synthetic sequence task (2-D encodings and grid tasks: the next test)."""
     cfg = multirun_config("experiment=synthetic_suite")
     params = cfg.hydra.sweeper.params
-    synthetic = sorted(set(options("task")) - CORPUS_TASKS)
-    assert sorted(params.encoding.split(",")) == options("encoding"), \
-        "configs/experiment/synthetic_suite.yaml must list every configs/encoding option"
+    synthetic = sorted(set(options("task")) - CORPUS_TASKS - GRID_TASKS)
+    assert sorted(params.encoding.split(",")) == encodings_of_dims(1), \
+        "configs/experiment/synthetic_suite.yaml must list every configs/encoding option of a 1-D encoding"
     assert sorted(params.task.split(",")) == synthetic, \
         f"configs/experiment/synthetic_suite.yaml must list the synthetic tasks: {','.join(synthetic)}"
     assert params.seed == "0,1,2"
     overrides = OverridesParser.create().parse_overrides([f"{key}={value}" for key, value in params.items()])
     (jobs,) = BasicSweeper.split_arguments(overrides, None)
-    assert len(jobs) == len(options("encoding")) * len(synthetic) * 3
+    assert len(jobs) == len(encodings_of_dims(1)) * len(synthetic) * 3
     assert list(cfg.eval.ratios) == [0.5, 1, 1.5, 2, 3, 4]
     addition = multirun_config("experiment=synthetic_suite", "task=addition")
     assert addition.train.length == addition.task.default_length == 8  # N: the task's own
+
+
+def test_grid_extrapolation_sweeps_every_2d_encoding_and_three_1d_ones_on_the_grid_tasks():
+    from tasks import REGISTRY
+
+    cfg = multirun_config("experiment=grid_extrapolation")
+    params = cfg.hydra.sweeper.params
+    assert sorted(params.encoding.split(",")) == sorted(encodings_of_dims(2) + ["rope", "alibi", "nope"]), \
+        "configs/experiment/grid_extrapolation.yaml must list every 2-D encoding, plus rope, alibi and nope"
+    assert set(params.task.split(",")) == GRID_TASKS == {n for n, c in REGISTRY.items() if c.position_dims == 2}
+    assert params.seed == "0,1,2" and list(cfg.eval.ratios) == [0.5, 1, 1.5, 2, 3, 4]
+    job = multirun_config("experiment=grid_extrapolation", "task=grid_nearest", "encoding=t5_2d")
+    assert job.model.causal is False and job.train.length == job.task.default_length == 8  # the task's defaults
+    assert job.train.steps == multirun_config("task=grid_nearest").train.steps
 
 
 def test_smoke_experiment_still_composes():

@@ -8,8 +8,8 @@ from posbench.encodings import REGISTRY
 from posbench.model import ModelConfig, Transformer
 from tests.conftest import make_encoding
 
-RECURRENT = sorted(name for name, cls in REGISTRY.items()
-                   if "embed" not in cls.hooks and (cls.relative or not cls.hooks))
+RECURRENT = sorted(name for name, cls in REGISTRY.items()  # 1-D: segments of a stream; grids have none
+                   if "embed" not in cls.hooks and (cls.relative or not cls.hooks) and cls.position_dims == 1)
 
 
 def model_for(name: str, backend: str = "eager", causal: bool = True) -> Transformer:

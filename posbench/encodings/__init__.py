@@ -1,5 +1,7 @@
-"""The encoding registry: name -> class. Each name has one `configs/encoding/<name>.yaml`."""
+"""The encoding registry: name -> class. Each name has one `configs/encoding/<name>.yaml`.
+Classes with position_dims = 2 read (row, column) positions and run on grid tasks only."""
 from posbench.encodings.alibi import ALiBi
+from posbench.encodings.alibi_2d import ALiBi2D
 from posbench.encodings.base import HOOKS, Encoding, ModelDims
 from posbench.encodings.baselines import Binary, Index, Normalized
 from posbench.encodings.complex_order import ComplexOrder
@@ -10,12 +12,16 @@ from posbench.encodings.floater import Floater
 from posbench.encodings.hierarchical import Hierarchical
 from posbench.encodings.kerple import Kerple
 from posbench.encodings.learned import Learned
+from posbench.encodings.learned_2d import Learned2D
 from posbench.encodings.nope import NoPE
 from posbench.encodings.rope import RoPE
+from posbench.encodings.rope_2d import RoPE2D, RoPEMixed
 from posbench.encodings.sandwich import Sandwich
 from posbench.encodings.shaw import Shaw
 from posbench.encodings.sinusoidal import Sinusoidal
+from posbench.encodings.sinusoidal_2d import Sinusoidal2D
 from posbench.encodings.t5 import T5
+from posbench.encodings.t5_2d import T52D
 from posbench.encodings.transformer_xl import TENER, TransformerXL
 from posbench.encodings.urpe import URPE
 from posbench.encodings.xpos import XPos
@@ -25,7 +31,9 @@ REGISTRY: dict[str, type[Encoding]] = {cls.name: cls for cls in (NoPE, Sinusoida
                                                                ComplexOrder, Floater,
                                                                Kerple, FIRE, Sandwich, XPos,
                                                                Shaw, TransformerXL, TENER, DeBERTa, URPE,
-                                                               Composite)}
+                                                               Composite,
+                                                               Sinusoidal2D, Learned2D, RoPE2D, RoPEMixed, T52D,
+                                                               ALiBi2D)}
 
 
 def get_encoding(name: str) -> type[Encoding]:

@@ -7,7 +7,9 @@ Order inside one attention layer (applied by `posbench.attention`, nowhere else)
 
 Positions are always passed in explicitly, shaped [B', L] with B' either 1 (shared
 by the batch) or B (one row per sequence), so that randomized positions, offsets
-and interpolation need no change here.
+and interpolation need no change here. Grid tasks pass [B', L, 2] (row, column):
+a 2-D encoding (position_dims = 2) reads them as they are, a 1-D one reads the raster
+index r * W + c, converted once per forward by `read_positions` (the one adapter).
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from posbench.positions import raster
 
 HOOKS = ("embed", "qk", "bias", "key_term", "value_term", "prob")
 
@@ -31,6 +35,10 @@ class ModelDims:
     train_positions: int  # largest position id + 1 seen in training
     causal: bool = True
     vocab_size: int = 0  # for encodings that build word-dependent positions (complex_order)
+    # grid tasks only (0 otherwise): largest row/column position + 1 ever fed, and seen in training;
+    # max_positions and train_positions then count raster ids (side^2), which 1-D encodings read
+    max_side: int = 0
+    train_side: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -46,8 +54,9 @@ class Encoding(nn.Module):
 
     name: str = ""
     hooks: frozenset[str] = frozenset()
-    relative: bool = False  # logits depend on i - j only (shift invariance)
+    relative: bool = False  # logits depend on i - j only (shift invariance); on grids, on (dy, dx) only
     bias_layers_shared: bool = False  # bias(q_pos, k_pos, layer) is the same for every layer: built once
+    position_dims: int = 1  # 1: reads ids [B', L]; 2: reads (row, column) [B', L, 2] (needs a grid task)
 
     def __init__(self, dims: ModelDims):
         super().__init__()
@@ -60,6 +69,16 @@ class Encoding(nn.Module):
         """The encoding's settings as recorded in every result row."""
         return {}
 
+    def read_positions(self, pos: torch.Tensor) -> torch.Tensor:
+        """The positions this encoding's hooks read, from those the task hands the model ([B', L] or
+        [B', L, 2]): a 1-D encoding on a grid gets the raster index. Called once per forward."""
+        if pos.dim() == 3 and self.position_dims == 1:
+            return raster(pos)  # [B', L]
+        if pos.dim() == 2 and self.position_dims == 2:
+            raise ValueError(f"encoding {self.name} reads (row, column) positions [B', L, 2] but got 1-D "
+                             f"positions {tuple(pos.shape)}; run it on a grid task")
+        return pos
+
     def set_eval_length(self, train_positions: int, eval_positions: int) -> None:
         """Called by the runner before evaluating sequences of eval_positions tokens after
         training on up to train_positions: the one place for evaluation-time switches
@@ -69,12 +88,12 @@ class Encoding(nn.Module):
         return 1.0 / math.sqrt(head_dim)
 
     def embed(self, x: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x: [B, L, D] token embeddings, pos: [B', L], ids: [B, L] token ids -> [B, L, D]."""
+        """x: [B, L, D] token embeddings, pos: [B', L] ([B', L, 2] if position_dims = 2), ids: [B, L] -> [B, L, D]."""
         return x
 
     def qk(self, q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
            layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [B, H, Lq, d], k: [B, H, Lk, d] -> the same shapes."""
+        """q: [B, H, Lq, d], k: [B, H, Lk, d] at q_pos [B', Lq(, 2)], k_pos [B', Lk(, 2)] -> the same shapes."""
         return q, k
 
     def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor, layer: int) -> torch.Tensor | None:
@@ -131,6 +150,19 @@ def offset_score_mod(encoding: Encoding, q_pos: torch.Tensor, k_pos: torch.Tenso
         return score + rows[h, i - j - first]
 
     return lookup
+
+
+def require_grid(name: str, dims: ModelDims) -> None:
+    """2-D encodings refuse, before training, a task that hands the model 1-D positions."""
+    if not dims.max_side:
+        raise ValueError(f"encoding {name} reads (row, column) positions and needs a grid task (tasks with "
+                         "position_dims = 2: task=life, grid_flip, grid_row_count, grid_nearest); 1-D tasks "
+                         "take the 1-D encodings, which also run on grids over raster positions")
+
+
+def grid_offsets(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """(dy, dx) = query - key for every pair: [B', Lq, 2], [B', Lk, 2] -> [B', Lq, Lk, 2]."""
+    return q_pos[:, :, None, :] - k_pos[:, None, :, :]
 
 
 def check_choice(owner: str, key: str, value, choices) -> None:

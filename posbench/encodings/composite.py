@@ -24,7 +24,9 @@ is the order of `parts`):
   set_eval_length  forwarded to every part.
 `hooks` is the union of the parts' hooks; `relative` holds only if every part is relative
 (a part with no hooks, nope, counts as relative); the bias is built once for all layers when
-every part with a bias shares it across layers. The class attributes describe the
+every part with a bias shares it across layers. Parts read one kind of positions: all 1-D
+(on a grid, the raster index) or all 2-D (row, column), `position_dims` the composite's; a
+1-D part beside a 2-D part is refused (a part with no hooks goes with either). The class attributes describe the
 default parts [rope, t5], which the generic registry tests build; each instance sets its own.
 """
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Composite(Encoding):
         self.hooks = frozenset().union(*(part.hooks for part in self.parts))
         self.relative = all(part.relative or not part.hooks for part in self.parts)
         self.bias_layers_shared = all(part.bias_layers_shared for part in self.parts_with("bias"))
+        self.position_dims = self.check_position_dims()
         self.check_single_owners()
         self.logit_scale(dims.head_dim)  # conflicting overrides fail before training
 
@@ -77,6 +80,15 @@ class Composite(Encoding):
             raise ValueError(f"composite: parts {[part.name for part in rotators]} all transform q and k (qk hook); "
                              "at most one part may own it, since two position-dependent transforms do not "
                              "commute in general; keep one of them")
+
+    def check_position_dims(self) -> int:
+        by_dims = {dims: [part.name for part in self.parts if part.hooks and part.position_dims == dims]
+                   for dims in (1, 2)}
+        if by_dims[1] and by_dims[2]:
+            raise ValueError(f"composite: parts {by_dims[1]} read 1-D positions (the raster index on a grid) but "
+                             f"parts {by_dims[2]} read (row, column) positions; combine parts of one kind, "
+                             "e.g. encoding.parts=[rope_2d,t5_2d] or [rope,t5]")
+        return 2 if by_dims[2] else 1
 
     def parts_with(self, hook: str) -> list[Encoding]:
         return [part for part in self.parts if hook in part.hooks]

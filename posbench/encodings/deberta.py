@@ -64,15 +64,22 @@ class DeBERTa(Encoding):
     def logit_scale(self, head_dim: int) -> float:
         return 1.0 / math.sqrt(3 * head_dim)  # three terms of similar size
 
+    def relative_rows(self, proj: nn.Linear, rows: torch.Tensor, h: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The projected table rows that `rows` use, and `rows` renumbered into them: only the window
+        of offsets a block of queries meets is projected and dotted (a block sees ~Lq + Lk of 2k + 1)."""
+        first, last = int(rows.min()), int(rows.max())
+        projected = proj(self.rel_table[first:last + 1]).view(-1, h, d).transpose(0, 1)  # [H, window, d]
+        return projected, rows - first
+
     def key_term(self, q, k, q_pos, k_pos, layer):
         b, h, lq, d = q.shape
         lk, span = k.shape[-2], self.max_relative_positions
         rows = relative_distance(q_pos, k_pos).clamp(-span, span).long() + span  # row of delta(i, j): [B', Lq, Lk]
-        key_rel = self.key_proj[layer](self.rel_table).view(-1, h, d).transpose(0, 1)  # Kr: [H, 2k+1, d]
-        query_rel = self.query_proj[layer](self.rel_table).view(-1, h, d).transpose(0, 1)  # Qr: [H, 2k+1, d]
-        c2p = (q @ key_rel.transpose(-1, -2)).gather(-1, rows[:, None].expand(b, h, lq, lk))  # [B, H, Lq, Lk]
+        key_rel, c2p_rows = self.relative_rows(self.key_proj[layer], rows, h, d)  # Kr: [H, window, d]
+        c2p = (q @ key_rel.transpose(-1, -2)).gather(-1, c2p_rows[:, None].expand(b, h, lq, lk))  # [B, H, Lq, Lk]
         # the paper's delta(j, i) sits in row 2k - row of delta(i, j); indexed [j, i] to gather along Kc_j's rows
         p2c_rows = (2 * span - rows if self.p2c_delta == "paper" else rows).transpose(-1, -2)  # [B', Lk, Lq]
+        query_rel, p2c_rows = self.relative_rows(self.query_proj[layer], p2c_rows, h, d)  # Qr: [H, window, d]
         p2c = (k @ query_rel.transpose(-1, -2)).gather(-1, p2c_rows[:, None].expand(b, h, lk, lq))  # [B, H, Lk, Lq]
         p2c = p2c.transpose(-1, -2)  # Kc_j . Qr_delta: [B, H, Lq, Lk]
         return (c2p + p2c) * self.logit_scale(d)  # [B, H, Lq, Lk]

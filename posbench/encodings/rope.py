@@ -45,6 +45,11 @@ def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, layout: s
     """x: [B, H, L, d], pos: [B', L], inv_freq: [d/2] -> [B, H, L, d]."""
     compute = torch.promote_types(x.dtype, torch.float32)
     angles = pos.to(compute)[:, None, :, None] * inv_freq.to(compute)  # [B', 1, L, d/2]
+    return rotate_by_angles(x, angles, layout)
+
+
+def rotate_by_angles(x: torch.Tensor, angles: torch.Tensor, layout: str) -> torch.Tensor:
+    """Rotates feature pair m by angles[..., m]. x: [B, H, L, d], angles: [B', 1 or H, L, d/2] -> [B, H, L, d]."""
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     if layout == "interleaved":
         x1, x2 = x[..., 0::2], x[..., 1::2]  # [B, H, L, d/2] each
