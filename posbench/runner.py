@@ -110,7 +110,7 @@ def build(cfg: DictConfig, device: torch.device) -> Built:
     torch.manual_seed(cfg.seed)
     encoding = instantiate(cfg.encoding)(dims=dims)
     torch.manual_seed(cfg.seed + 1)  # the model's initialisation must not depend on the encoding's table size
-    backend = get_backend(cfg.backend.name, encoding)
+    backend = get_backend(cfg.backend.name, encoding, device)
     model = Transformer(model_cfg, encoding, backend).to(device)
     if getattr(task, "memory", 0):  # evaluation with segment recurrence: refuse before training
         model.check_recurrent()

@@ -165,3 +165,33 @@ def test_chunked_segment_recurrence_equals_reading_both_segments_at_once(name):
         first, memory = model.forward_recurrent(ids[:, :9], None, memory_length=9)
         second, _ = model.forward_recurrent(ids[:, 9:], memory, memory_length=9)
         torch.testing.assert_close(torch.cat([first, second], 1), full, rtol=0, atol=1e-10, msg=backend)
+
+
+def test_auto_backend_follows_the_device():
+    """auto: sdpa on CPU (fused kernel, flex cannot train there); flex on CUDA for a bias with a
+    score_mod; eager for content terms; sdpa for a bias flex cannot express."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for name, on_cpu, on_cuda in (("alibi", "sdpa", "flex"), ("t5", "sdpa", "flex"), ("rope", "sdpa", "sdpa"),
+                                  ("shaw", "eager", "eager"), ("alibi_2d", "sdpa", "sdpa")):
+        enc = make_encoding(name)
+        assert (get_backend("auto", enc, cpu).name, get_backend("auto", enc, cuda).name) == (on_cpu, on_cuda), name
+
+
+def test_fire_piecewise_linear_mlp_is_the_mlp():
+    """FIRE's MLP of a scalar evaluated by segments: same values and gradients as the nn layers,
+    including a hidden unit with no breakpoint (weight 0) and one turned off everywhere."""
+    from torch import nn
+
+    from posbench.encodings.fire import piecewise_linear_mlp
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(1, 6), nn.ReLU(), nn.Linear(6, 3)).double()
+    with torch.no_grad():
+        mlp[0].weight[0, 0], mlp[0].weight[1, 0], mlp[0].bias[1] = 0.0, 0.0, -1.0
+    x = (torch.rand(2, 9, 9, dtype=torch.float64) * 4 - 1).requires_grad_()
+    expected, got = mlp(x[..., None]), piecewise_linear_mlp(mlp, x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    grad = torch.randn_like(expected)
+    inputs = [x, *mlp.parameters()]
+    for a, b in zip(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
