@@ -15,6 +15,7 @@ class ALiBi2D(Encoding):
     name = "alibi_2d"
     hooks = frozenset({"bias"})
     relative = True
+    bias_layers_shared = True
     position_dims = 2
 
     def __init__(self, dims: ModelDims, distance: str = "euclidean"):

@@ -23,6 +23,7 @@ class T52D(Encoding):
     name = "t5_2d"
     hooks = frozenset({"bias"})
     relative = True
+    bias_layers_shared = True
     position_dims = 2
 
     def __init__(self, dims: ModelDims, num_buckets: int = 32, max_distance: int = 128, bucketed: bool = True,
