@@ -29,7 +29,7 @@ from posbench.encodings.base import Encoding
 EAGER_TRAIN_BLOCK = 128  # queries per block of a causal eager layer in training
 AUTO_CHUNK_ELEMENTS = 2**24  # eval.chunk=auto: a chunk's biggest [B|1, H, chunk, Lk] tensor holds at most this
 MIN_AUTO_CHUNK = 16
-GRAD_BLOCK = 64  # queries per block in the bias-gradient backward
+GRAD_BLOCK = 128  # queries per block in the bias-gradient backward
 FUSED_CPU_FORWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 FUSED_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
@@ -81,7 +81,13 @@ def blockwise_backward(q, k, v, bias, out, lse, grad_out, causal: bool, scale: f
     compute = torch.promote_types(dtype, torch.float32)
     q, k, v, out, grad_out = (t.to(compute) for t in (q, k, v, out, grad_out))
     length = q.shape[-2]
+    q = q * scale
     rowdot = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO * O): [B, H, L, 1]
+    # one more column each, so that the matmuls give S - logsumexp and dP - rowdot directly
+    q_lse = torch.cat([q, -lse[..., None].to(compute)], dim=-1)  # [B, H, L, d + 1]
+    k_one = torch.cat([k, torch.ones_like(k[..., :1])], dim=-1)  # [B, H, L, d + 1]
+    g_dot = torch.cat([grad_out, -rowdot], dim=-1)  # [B, H, L, d + 1]
+    v_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, L, d + 1]
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     shared = bias.shape[0] == 1  # then summed over the batch as it goes
     dbias = q.new_zeros(1 if shared else q.shape[0], q.shape[1], length, length)  # [B', H, L, L]
@@ -89,16 +95,15 @@ def blockwise_backward(q, k, v, bias, out, lse, grad_out, causal: bool, scale: f
     for start in range(0, length, GRAD_BLOCK):
         stop = min(length, start + GRAD_BLOCK)
         end = stop if causal else length
-        q_blk, k_pre, v_pre = q[:, :, start:stop], k[:, :, :end], v[:, :, :end]
-        p = torch.matmul(q_blk, k_pre.transpose(-1, -2)).mul_(scale)  # [B, H, b, end]
-        p.add_(bias[:, :, start:stop, :end]).sub_(lse[:, :, start:stop, None]).exp_()  # P
+        p = torch.matmul(q_lse[:, :, start:stop], k_one[:, :, :end].transpose(-1, -2))  # S - lse: [B, H, b, end]
+        p.add_(bias[:, :, start:stop, :end]).exp_()  # P
         if causal:
             p[..., start:stop].masked_fill_(above[: stop - start, : stop - start], 0.0)
-        ds = torch.matmul(grad_out[:, :, start:stop], v_pre.transpose(-1, -2))  # dP: [B, H, b, end]
-        ds.sub_(rowdot[:, :, start:stop]).mul_(p)  # dS = P (dP - rowdot)
+        ds = torch.matmul(g_dot[:, :, start:stop], v_one[:, :, :end].transpose(-1, -2))  # dP - rowdot
+        ds.mul_(p)  # dS = P (dP - rowdot): [B, H, b, end]
         dbias[:, :, start:stop, :end] += ds.sum(0, keepdim=True) if shared else ds
-        dq[:, :, start:stop] = torch.matmul(ds, k_pre).mul_(scale)
-        dk[:, :, :end] += torch.matmul(ds.transpose(-1, -2), q_blk).mul_(scale)
+        dq[:, :, start:stop] = torch.matmul(ds, k[:, :, :end]).mul_(scale)
+        dk[:, :, :end] += torch.matmul(ds.transpose(-1, -2), q[:, :, start:stop])  # q holds the scale
         dv[:, :, :end] += torch.matmul(p.transpose(-1, -2), grad_out[:, :, start:stop])
     return dq.to(dtype), dk.to(dtype), dv.to(dtype), dbias
 
