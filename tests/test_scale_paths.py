@@ -196,3 +196,12 @@ def test_fire_piecewise_linear_mlp_is_the_mlp():
     inputs = [x, *mlp.parameters()]
     for a, b in zip(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("setting", [0, -3, "big", 2.5, True])
+def test_bad_eval_chunk_is_refused(setting):
+    from posbench.runner import eval_chunk
+
+    with pytest.raises(ValueError, match=r"eval.chunk=.*use auto, a number of queries >= 1, or null"):
+        eval_chunk(setting)
+    assert [eval_chunk(s) for s in ("auto", None, 64)] == ["auto", None, 64]
