@@ -93,6 +93,8 @@ class Built:
 def build(cfg: DictConfig, device: torch.device) -> Built:
     """Everything a run needs, validated before any training step."""
     check_choice_value("train.lengths", cfg.train.lengths, TRAIN_LENGTH_MODES)
+    check_choice_value("train.precision", cfg.train.precision, PRECISIONS)
+    eval_chunk(cfg.eval.chunk)
     task: Task = instantiate(cfg.task)
     train_length = int(cfg.train.length)
     if train_length < 1:
