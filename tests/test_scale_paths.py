@@ -205,3 +205,21 @@ def test_bad_eval_chunk_is_refused(setting):
     with pytest.raises(ValueError, match=r"eval.chunk=.*use auto, a number of queries >= 1, or null"):
         eval_chunk(setting)
     assert [eval_chunk(s) for s in ("auto", None, 64)] == ["auto", None, 64]
+
+
+@pytest.mark.parametrize("name", ["t5", "alibi"])
+def test_bf16_autocast_through_the_fused_kernel_stays_close_to_fp32(name):
+    """train.precision=bf16 on CPU: the fused kernel takes bf16 q, k, v with a float32 bias mask."""
+    ids, pos = ids_for(), torch.arange(LENGTH)[None]
+    results = []
+    for precision in (None, torch.bfloat16):
+        model = model_for(name, "sdpa").float().train()
+        with torch.autocast("cpu", dtype=precision or torch.float32, enabled=precision is not None):
+            logits = model(ids, pos)
+        logits.float().sin().sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        results.append((logits.float(), grads))
+    assert torch.isfinite(results[1][1]).all()
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0.05, atol=0.05)
+    cosine = torch.nn.functional.cosine_similarity(results[1][1], results[0][1], dim=0)
+    assert cosine > 0.99
