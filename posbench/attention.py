@@ -165,12 +165,32 @@ class SdpaBackend(Backend):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)  # [B, H, L, d]
         if bias is not None and (square or not causal) and fused_cpu_ok(q, bias):
             return FusedBiasAttention.apply(q, k, v, bias, causal, scale)  # [B, H, L, d]
+        if bias is not None and causal and not torch.is_grad_enabled() and fused_cpu_ok(q, bias):
+            return fused_causal_block(q, k, v, bias, scale)  # [B, H, Lq, d]
         if bias is None:  # queries after a memory: is_causal would align them to the first keys
             bias = torch.zeros(1, 1, q.shape[-2], k.shape[-2], dtype=q.dtype, device=q.device)  # [1, 1, Lq, Lk]
         mask = bias.to(q.dtype)  # [B', H, Lq, Lk]: 4-D keeps the fused kernel
         if causal:
             mask = mask.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, H, L, d]
+
+
+def fused_causal_block(q, k, v, bias, scale: float) -> torch.Tensor:
+    """Queries that are the last Lq of Lk keys (a chunk against its prefix), forward only: the keys
+    before the chunk, all visible, and the chunk's own square with the causal flag, as two fused
+    calls merged by their log-sum-exps, so no -inf mask is written and no upper triangle computed.
+    q: [B, H, Lq, d], k, v: [B, H, Lk, d], bias: [B', H, Lq, Lk] -> [B, H, Lq, d]."""
+    split = k.shape[-2] - q.shape[-2]
+    mask = bias.to(torch.promote_types(q.dtype, torch.float32))
+    out, lse = FUSED_CPU_FORWARD(q, k[:, :, split:], v[:, :, split:], 0.0, True, attn_mask=mask[..., split:],
+                                 scale=scale)  # [B, H, Lq, d], [B, H, Lq]
+    if split == 0:
+        return out
+    before, lse_before = FUSED_CPU_FORWARD(q, k[:, :, :split], v[:, :, :split], 0.0, False,
+                                           attn_mask=mask[..., :split], scale=scale)
+    top = torch.maximum(lse, lse_before)
+    weight, weight_before = (lse - top).exp()[..., None], (lse_before - top).exp()[..., None]  # [B, H, Lq, 1]
+    return ((out * weight + before * weight_before) / (weight + weight_before)).to(q.dtype)
 
 
 def fused_cpu_ok(q: torch.Tensor, bias: torch.Tensor) -> bool:
@@ -324,9 +344,11 @@ class Attention(nn.Module):
         if self.training:
             full = positions.bias(self.layer)
             bias = None if full is None else full[:, :, start:stop, :end]
-        else:
-            bias = positions.block_bias(self.layer, start, stop, end, causal)
-            causal = causal and bias is None  # the block's mask holds the causal -inf already
+        else:  # the -inf goes into the block's bias, unless the fused kernel's causal flag does it
+            bake = causal and not (self.backend.name == "sdpa" and FUSED_CPU_FORWARD is not None
+                                   and q.device.type == "cpu")
+            bias = positions.block_bias(self.layer, start, stop, end, bake)
+            causal = causal and not (bake and bias is not None)
         return self.backend.attend(q[:, :, start:stop], k[:, :, :end], v[:, :, :end], self.encoding[0],
                                    positions.q_pos[:, start:stop], positions.k_pos[:, :end], self.layer,
                                    causal, bias)  # [B, H, stop - start, d]

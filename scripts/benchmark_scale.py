@@ -4,6 +4,7 @@
     python scripts/benchmark_scale.py eval [--lengths 4096] [--encodings ...] [--rounds 3]
     python scripts/benchmark_scale.py long [--tokens 4096,16384,32768] [--encodings ...]
     (each with --out FILE.csv)
+    python scripts/benchmark_scale.py figure --train A.csv,B.csv --long C.csv --out scale.png
 
 train, eval: one process, one thread, every model built first, then rounds that time each
 model once in turn (floor, a, b, ..., floor, a, b, ...) with process CPU time, so a busy
@@ -202,12 +203,56 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def figure(train_csvs: list[str], long_csv: str, out: str) -> None:
+    """Training step / floor per encoding and length; evaluation memory and speed against length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    train = pd.concat([pd.read_csv(path) for path in train_csvs]).drop_duplicates(["name", "tokens"], keep="last")
+    train = train[~train["name"].str.startswith("x-transformers")]
+    long = pd.read_csv(long_csv)
+    long = long[long["status"] == "ok"]
+    fig, axes = plt.subplots(1, 3, figsize=(19, 6), layout="constrained")
+    lengths = sorted(train["tokens"].unique())
+    names = list(dict.fromkeys(train.sort_values("tokens")["name"]))
+    width = 0.8 / len(lengths)
+    for i, tokens in enumerate(lengths):
+        part = train[train["tokens"] == tokens].set_index("name").reindex(names)
+        axes[0].barh([n + i * width for n in range(len(names))], part["ratio_median"], height=width,
+                     xerr=[part["ratio_median"] - part["ratio_min"], part["ratio_max"] - part["ratio_median"]],
+                     label=f"{tokens} tokens")
+    axes[0].set_yticks([n + width * (len(lengths) - 1) / 2 for n in range(len(names))], names)
+    axes[0].invert_yaxis()
+    axes[0].axvline(1.0, color="black", lw=0.8)
+    axes[0].set_xlabel("training step / plain SDPA floor (median, min..max)")
+    axes[0].legend()
+    for ax, column, label in ((axes[1], "peak_mem_mb", "evaluation peak resident set, MiB"),
+                              (axes[2], "eval_tokens_per_s", "evaluation tokens / s")):
+        for name, curve in long.groupby("name", sort=True):
+            curve = curve.sort_values("tokens")
+            ax.plot(curve["tokens"], curve[column], marker="o", ms=3, label=name,
+                    lw=2.5 if name == FLOOR else 1.0, color="black" if name == FLOOR else None)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("evaluation length, tokens (batch 1)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[2].legend(fontsize=7, ncol=2)
+    fig.suptitle("posbench at length (CPU, one thread)")
+    fig.savefig(out, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> None:
     from posbench.encodings import REGISTRY
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=["train", "eval", "long"])
+    parser.add_argument("part", choices=["train", "eval", "long", "figure"])
+    parser.add_argument("--train", help="figure: comma-separated CSVs of the train part")
+    parser.add_argument("--long", help="figure: the CSV of the long part")
     parser.add_argument("--encodings", help="comma-separated registry names (default: all); nope is always added")
     parser.add_argument("--lengths", default=None, help="train/eval: tokens per sequence (default 1024,2048 / 4096)")
     parser.add_argument("--tokens", default="4096,16384,32768", help="long: tokens per sequence")
@@ -215,6 +260,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-x-transformers", dest="x_transformers", action="store_false")
     parser.add_argument("--out", help="also write the rows to this CSV file")
     args = parser.parse_args(argv)
+    if args.part == "figure":
+        if not (args.train and args.long and args.out):
+            raise SystemExit("figure needs --train A.csv[,B.csv] --long C.csv --out FILE.png")
+        figure(args.train.split(","), args.long, args.out)
+        return
     names = args.encodings.split(",") if args.encodings else [n for n, c in REGISTRY.items() if c.position_dims == 1]
     unknown = sorted(set(names) - set(REGISTRY))
     if unknown:
