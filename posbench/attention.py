@@ -8,15 +8,17 @@
 kernel with the causal flag and the bias as its mask (the upper triangle is never computed;
 a learned bias gets its gradient from a blockwise backward), elsewhere into a 4-D float
 mask. `flex` (posbench.flex) builds a FlexAttention score_mod from the encoding. `auto`
-picks sdpa when it can run the encoding's hooks, else eager.
+picks sdpa when it can run the encoding's hooks (flex on CUDA for a bias), else eager.
 
 Length costs no `L x L` memory beyond one block of queries where it matters:
 - a bias that is the same in every layer (`Encoding.bias_layers_shared`) is built once per
   forward (`PositionContext`);
 - a causal eager layer in training attends in query blocks, each to its key prefix;
 - in evaluation (`Attention.eval_chunk` queries, set by the runner) every layer with a bias
-  or a content term attends one chunk of queries at a time, and the bias of a relative
-  encoding over contiguous positions is gathered per chunk from one row per offset.
+  or a content term attends one chunk of queries at a time; the bias of a relative encoding
+  over contiguous positions is one strided copy of a row of per-offset values, and on the
+  fused CPU kernel a chunk's prefix and its causal square are two calls merged by their
+  log-sum-exps.
 """
 from __future__ import annotations
 
