@@ -113,6 +113,9 @@ def build(cfg: DictConfig, device: torch.device) -> Built:
     encoding = instantiate(cfg.encoding)(dims=dims)
     torch.manual_seed(cfg.seed + 1)  # the model's initialisation must not depend on the encoding's table size
     backend = get_backend(cfg.backend.name, encoding, device)
+    if backend.name == "flex" and device.type == "cpu" and int(cfg.train.steps) > 0:
+        raise ValueError("backend=flex trains on CUDA only; on CPU it evaluates (train.steps=0 with "
+                         "train.init_from); use backend=sdpa or auto for training")
     model = Transformer(model_cfg, encoding, backend).to(device)
     if getattr(task, "memory", 0):  # evaluation with segment recurrence: refuse before training
         model.check_recurrent()

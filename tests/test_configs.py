@@ -80,6 +80,7 @@ def test_unknown_key_is_refused():
     (["backend=sdpa", "encoding=rope", "eval.lengths=[0,4]"], "must be >= 1"),
     (["train.precision=fp16"], r"train.precision='fp16' is not valid; choose one of \['fp32', 'bf16'\]"),
     (["eval.chunk=0"], "eval.chunk=0 is not valid"),
+    (["backend=flex", "encoding=alibi", "device=cpu"], "backend=flex trains on CUDA only"),
 ])
 def test_invalid_combinations_fail_before_training(overrides, message):
     with pytest.raises(ValueError, match=message):
