@@ -77,24 +77,45 @@ def eval_sides(train_positions: int, eval_positions: int) -> tuple[int, int]:
     return math.isqrt(train_positions), math.isqrt(eval_positions)
 
 
-class RoPE2D(Encoding):
-    name = "rope_2d"
+class GridRoPE(Encoding):
+    """What the two 2-D rotations share: settings, the training-time reset of any scaling, and the
+    rotation of q and k by per-position angles (times YaRN's attention factor)."""
+
     hooks = frozenset({"qk"})
     relative = True
     position_dims = 2
 
-    def __init__(self, dims: ModelDims, base: float = 100.0, layout: str = "interleaved", scaling: str = "none",
-                 scaling_factor: float | None = None):
+    def __init__(self, dims: ModelDims, base: float, layout: str, scaling: str, scaling_factor: float | None):
         super().__init__(dims)
         check_rope_2d(self.name, dims, float(base), layout, scaling, scaling_factor)
         self.base, self.layout, self.scaling = float(base), layout, scaling
         self.scaling_factor = None if scaling_factor is None else float(scaling_factor)
-        self.register_buffer("inv_freq", axis_inv_freq(dims.head_dim, self.base), persistent=False)  # [d/4]
         self.attention_factor = 1.0
 
     def params(self) -> dict:
         return {"base": self.base, "layout": self.layout, "scaling": self.scaling,
                 "scaling_factor": self.scaling_factor}
+
+    def train(self, mode: bool = True):
+        if mode:  # training: the unscaled frequencies
+            self.set_eval_length(1, 1)
+        return super().train(mode)
+
+    def rotate(self, q, k, q_angles, k_angles):
+        q = rotate_by_angles(q, q_angles, self.layout)  # [B, H, Lq, d]
+        k = rotate_by_angles(k, k_angles, self.layout)  # [B, H, Lk, d]
+        if self.attention_factor != 1.0:  # YaRN: cos and sin scaled, so the logits by its square
+            q, k = q * self.attention_factor, k * self.attention_factor
+        return q, k
+
+
+class RoPE2D(GridRoPE):
+    name = "rope_2d"
+
+    def __init__(self, dims: ModelDims, base: float = 100.0, layout: str = "interleaved", scaling: str = "none",
+                 scaling_factor: float | None = None):
+        super().__init__(dims, base, layout, scaling, scaling_factor)
+        self.register_buffer("inv_freq", axis_inv_freq(dims.head_dim, self.base), persistent=False)  # [d/4]
 
     def set_eval_length(self, train_positions: int, eval_positions: int) -> None:
         train_side, eval_side = eval_sides(train_positions, eval_positions)
@@ -103,41 +124,20 @@ class RoPE2D(Encoding):
                                                             eval_side, self.scaling_factor)
         self.inv_freq = inv_freq.to(device=self.inv_freq.device, dtype=self.inv_freq.dtype)
 
-    def train(self, mode: bool = True):
-        if mode:  # training: the unscaled frequencies
-            self.set_eval_length(1, 1)
-        return super().train(mode)
-
     def qk(self, q, k, q_pos, k_pos, layer):
-        compute = torch.promote_types(q.dtype, torch.float32)
-        inv_freq = self.inv_freq.to(compute)
-        q = rotate_by_angles(q, axial_angles(q_pos, inv_freq), self.layout)  # [B, H, Lq, d]
-        k = rotate_by_angles(k, axial_angles(k_pos, inv_freq), self.layout)  # [B, H, Lk, d]
-        if self.attention_factor != 1.0:  # YaRN: cos and sin scaled, so the logits by its square
-            q, k = q * self.attention_factor, k * self.attention_factor
-        return q, k
+        inv_freq = self.inv_freq.to(torch.promote_types(q.dtype, torch.float32))
+        return self.rotate(q, k, axial_angles(q_pos, inv_freq), axial_angles(k_pos, inv_freq))
 
 
-class RoPEMixed(Encoding):
+class RoPEMixed(GridRoPE):
     name = "rope_mixed"
-    hooks = frozenset({"qk"})
-    relative = True
-    position_dims = 2
 
     def __init__(self, dims: ModelDims, base: float = 10.0, layout: str = "interleaved", scaling: str = "none",
                  scaling_factor: float | None = None):
-        super().__init__(dims)
-        check_rope_2d(self.name, dims, float(base), layout, scaling, scaling_factor)
-        self.base, self.layout, self.scaling = float(base), layout, scaling
-        self.scaling_factor = None if scaling_factor is None else float(scaling_factor)
+        super().__init__(dims, base, layout, scaling, scaling_factor)
         fx, fy = zip(*(mixed_init(dims.head_dim, dims.n_heads, self.base) for _ in range(dims.n_layers)))
         self.freqs = nn.Parameter(torch.stack((torch.stack(fx), torch.stack(fy))))  # [2, layers, H, d/2]
         self.register_buffer("freq_scale", torch.ones(dims.head_dim // 2), persistent=False)  # [d/2]
-        self.attention_factor = 1.0
-
-    def params(self) -> dict:
-        return {"base": self.base, "layout": self.layout, "scaling": self.scaling,
-                "scaling_factor": self.scaling_factor}
 
     def set_eval_length(self, train_positions: int, eval_positions: int) -> None:
         train_side, eval_side = eval_sides(train_positions, eval_positions)
@@ -148,16 +148,7 @@ class RoPEMixed(Encoding):
         factor = (inv_freq / rope_inv_freq(half, self.base)).repeat(2)  # [d/2]: pairs t and t + d/4 share mag_t
         self.freq_scale = factor.to(device=self.freq_scale.device, dtype=self.freq_scale.dtype)
 
-    def train(self, mode: bool = True):
-        if mode:  # training: the learned frequencies as they are
-            self.set_eval_length(1, 1)
-        return super().train(mode)
-
     def qk(self, q, k, q_pos, k_pos, layer):
         compute = torch.promote_types(q.dtype, torch.float32)
         fx, fy = (f.to(compute) * self.freq_scale.to(compute) for f in self.freqs[:, layer])  # [H, d/2] each
-        q = rotate_by_angles(q, mixed_angles(q_pos, fx, fy), self.layout)  # [B, H, Lq, d]
-        k = rotate_by_angles(k, mixed_angles(k_pos, fx, fy), self.layout)  # [B, H, Lk, d]
-        if self.attention_factor != 1.0:
-            q, k = q * self.attention_factor, k * self.attention_factor
-        return q, k
+        return self.rotate(q, k, mixed_angles(q_pos, fx, fy), mixed_angles(k_pos, fx, fy))
