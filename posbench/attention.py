@@ -327,8 +327,8 @@ class Attention(nn.Module):
     def query_block(self, encoding: Encoding, batch: int, length: int, keys: int) -> int | None:
         """Queries per block, or None for one call over all of them."""
         needs_logits = set(encoding.hooks) & {"bias", "key_term", "prob", "value_term"}
-        if not needs_logits or self.backend.name == "flex":
-            return None  # fused kernels (flex: block masks) bound their own memory and skip the upper triangle
+        if not needs_logits or not self.backend.takes_bias:
+            return None  # fused kernels (a backend that builds its own bias: block masks) bound their own memory
         if not self.training:
             chunk = self.eval_chunk
             if chunk == "auto":  # the logits (eager) or the bias (sdpa) of one chunk within the budget
