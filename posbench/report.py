@@ -116,10 +116,12 @@ def parameter_count(n) -> str:
 
 
 def add_groups(frame):
-    """Adds steps (configured), group (a key: the configuration minus the seed), size (the
-    parameter count when groups of one task and encoding differ in model size, else ""),
-    curve_label (the encoding plus the other settings that tell its groups apart) and label
-    (curve_label and the size: one per group)."""
+    """Adds steps (configured), group (a key: the configuration minus the seed), size (when
+    groups of one task and encoding differ in model size, the parameter count of the model's
+    smallest group, so an encoding's own parameters such as learned's table leave it at its
+    model's size; else ""), curve_label (the encoding plus the other settings that tell its groups
+    apart), setting (those settings other than the encoding's: the groups whose encodings are
+    compared share it) and label (curve_label and the size: one per group)."""
     frame = frame.copy()
     frame["steps"] = [configured_steps(src) or _plain(done) for src, done in zip(frame["source"], frame["train_steps"])]
     firsts = frame.drop_duplicates("run_id")  # settings are per run: every row of a run joins its group
@@ -136,19 +138,24 @@ def add_groups(frame):
     params = frame.groupby("group")["n_params"].first()
     model_keys = {k for k in varying if k.startswith("model.") or k == "model"}
     sizes = {}
-    if model_keys and params.notna().all():  # a size axis: the parameter count stands for the model settings
-        models_per_size: dict = {}
-        for group, (_, _, s) in per_group.items():
-            models_per_size.setdefault(params[group], set()).add(json.dumps([s.get(k) for k in sorted(model_keys)]))
-        if all(len(models) == 1 for models in models_per_size.values()):
-            sizes = {group: parameter_count(params[group]) for group in per_group}
+    if model_keys and params.notna().all():  # a size axis: a parameter count names each model's settings
+        model_of = {group: json.dumps([s.get(k) for k in sorted(model_keys)]) for group, (_, _, s) in per_group.items()}
+        smallest: dict = {}
+        for group, model in model_of.items():
+            smallest[model] = min(smallest.get(model, params[group]), params[group])
+        names = {model: parameter_count(n) for model, n in smallest.items()}
+        if len(set(names.values())) == len(names):
+            sizes = {group: names[model] for group, model in model_of.items()}
             varying -= model_keys
-    curve_labels = {}
+    curve_labels, comparable = {}, {}
     for group, (_, encoding, s) in per_group.items():
         shown = [f"{setting_name(k)}={s[k]}" for k in sorted(varying) if k in s]
         curve_labels[group] = " ".join([encoding, ", ".join(shown)]).strip()
+        comparable[group] = ", ".join(f"{setting_name(k)}={s[k]}" for k in sorted(varying)
+                                      if k in s and not k.startswith("encoding."))
     frame["size"] = frame["group"].map(sizes).fillna("") if sizes else ""
     frame["curve_label"] = frame["group"].map(curve_labels)
+    frame["setting"] = frame["group"].map(comparable)
     frame["label"] = [f"{c} [{z}]" if z else c for c, z in zip(frame["curve_label"], frame["size"])]
     return frame
 
@@ -212,7 +219,7 @@ def summary_table(frame):
     measured = [m for m in HEADLINE_METRICS if m in frame and frame[m].notna().any()]
     measured += [m for m in COST_COLUMNS if m in frame]  # kept when unmeasured: the cost figure says so
     ok = frame[frame["status"] == "ok"]
-    keys = ["group", "label", "curve_label", "size", "task", "encoding", "train_length", "eval_length"]
+    keys = ["group", "label", "curve_label", "setting", "size", "task", "encoding", "train_length", "eval_length"]
     base = frame.groupby(keys, sort=True).agg(ratio=("ratio", "first"))
     base["runs"] = base.index.get_level_values("group").map(frame.groupby("group")["run_id"].nunique())
     base = base.join(ok.groupby(keys).agg(n=("run_id", "nunique"),
@@ -234,7 +241,8 @@ def headline_table(frame, runs, summary, threshold: float):
         first = frame[frame["group"] == group].iloc[0]
         at_longest = summary[(summary["group"] == group)].sort_values("eval_length").iloc[-1]
         metric = part["metric"].iloc[0]
-        record = {"label": first["label"], "curve_label": first["curve_label"], "size": first["size"],
+        record = {"label": first["label"], "curve_label": first["curve_label"], "setting": first["setting"],
+                  "size": first["size"],
                   "n_params": first["n_params"], "task": first["task"], "encoding": first["encoding"], "metric": metric,
                   "criterion": criterion(metric, threshold), "train_length": first["train_length"],
                   "longest_length": at_longest["eval_length"], "runs": len(part),
@@ -254,13 +262,13 @@ def headline_table(frame, runs, summary, threshold: float):
 
 
 def add_ranking(headline):
-    """rank_in_task: rank of the mean OOD score among the task's groups of one model size (1 =
-    best; ties share the better rank; a group without an OOD score ranks last); mrr: the mean
+    """rank_in_task: rank of the mean OOD score among the task's groups of one setting and model
+    size (1 = best; ties share the better rank; a group without an OOD score ranks last); mrr: the mean
     over tasks of 1 / rank for the group's label (Kazemnejad et al. 2023), tasks: how many tasks
     it was ranked on."""
     headline = headline.copy()
     headline["rank_in_task"] = 0
-    for _, part in headline.groupby(["task", "size"]):
+    for _, part in headline.groupby(["task", "setting", "size"]):
         ascending = lower_is_better(part["metric"].iloc[0])
         ranks = part["ood_score_mean"].rank(method="min", ascending=ascending, na_option="bottom")
         headline.loc[part.index, "rank_in_task"] = ranks.astype(int)
@@ -331,7 +339,7 @@ def published_rows(table) -> list[dict]:
 
 
 def ordering_table(headline):
-    """Every pair of curve labels (encodings) on each task, compared past N at every model size
+    """Every pair of curve labels (encodings) of one task and setting, compared past N at every model size
     both ran at with two or more scored seeds: '>' when every seed of the first beats every seed of
     the second (its worst OOD score is better than the other's best), '<' the reverse, '≈' when
     the ranges overlap. verdict: holds (one direction at every size), reverses (both directions),
@@ -339,7 +347,7 @@ def ordering_table(headline):
     import pandas as pd
 
     records = []
-    for task, part in headline.groupby("task"):
+    for (task, setting), part in headline.groupby(["task", "setting"]):
         lower = lower_is_better(part["metric"].iloc[0])
         sizes = part.groupby("size")["n_params"].min().sort_values().index.tolist()
         scored = {(r["curve_label"], r["size"]): r for _, r in part.iterrows() if r["ood_score_n"] >= 2}
@@ -359,9 +367,9 @@ def ordering_table(headline):
             seen = set(relations.values())
             verdict = ("reverses" if {">", "<"} <= seen else "not separated" if seen == {"≈"}
                        else "depends on size" if "≈" in seen else "holds")
-            records.append({"task": task, "first": first, "second": second, "verdict": verdict,
+            records.append({"task": task, "setting": setting, "first": first, "second": second, "verdict": verdict,
                             "relations": ", ".join(f"{size}: {rel}" for size, rel in relations.items())})
-    return pd.DataFrame(records, columns=["task", "first", "second", "verdict", "relations"])
+    return pd.DataFrame(records, columns=["task", "setting", "first", "second", "verdict", "relations"])
 
 
 # ---- formatting -------------------------------------------------------------------------------
@@ -432,7 +440,8 @@ def orderings_blocks(orderings) -> list:
     if not len(orderings):
         return []
     separated = orderings[orderings["verdict"] != "not separated"]
-    text = ("Pairs of encodings compared past N at each model size where both have two or more seeds: "
+    text = ("Pairs of encodings of one task and setting, compared past N at each model size where both "
+            "have two or more seeds: "
             "'>' when every seed of the first scores better than every seed of the second (no overlap of "
             "their min..max over seeds), '<' the reverse, '≈' overlap. Holds: one direction at every size; "
             "reverses: both directions; depends on size: one direction at some sizes, overlap at others. "
@@ -509,7 +518,7 @@ def build_blocks(frame, runs, headline, comparison, orderings, figures: dict[str
                            f"(log2), one panel per task{' and model size' if 'scaling' in figures else ''}; {lines}."))
     if "scaling" in figures:
         blocks.append(("figure", figures["scaling"], "OOD score against parameter count, one line per group "
-                       "label, mean over seeds with a min..max bar; ranks above are within one model size."))
+                       "label, mean over seeds with a min..max bar; ranks above are within one setting and model size."))
     blocks += [("figure", figures["heatmap"], "OOD score (mean over seeds) per group and task."),
                ("figure", figures["cost"], "Evaluation throughput and peak memory against evaluation length "
                 "(mean over seeds; on CPU the peak is the process's resident high-water mark).")]

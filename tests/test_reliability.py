@@ -158,22 +158,26 @@ def test_a_sweep_over_model_sizes_is_faceted_by_size_and_ranked_within_each(tmp_
     from posbench.report import write_report
 
     for size in ("model.d_model=16", "model.d_model=32"):
-        for encoding in ("nope", "alibi"):
+        for encoding in ("nope", "alibi", "learned"):
             for seed in (0, 1):
                 runner.run(tiny(size, f"encoding={encoding}", f"seed={seed}"),
                            tmp_path / "sweep" / f"{size}-{encoding}-{seed}")
     out = write_report([str(tmp_path / "sweep")], tmp_path / "report")
     headline = pd.read_csv(out / "headline.csv")
     params = dict(zip(headline["label"], headline["n_params"]))
-    assert sorted(params) == ["alibi [2.58k]", "alibi [9.25k]", "nope [2.58k]", "nope [9.25k]"], params
-    assert set(headline["curve_label"]) == {"alibi", "nope"} and headline["runs"].tolist() == [2] * 4
-    for _, part in headline.groupby("size"):  # ranks 1 and 2 (or a tie at 1) within each size
-        assert sorted(part["rank_in_task"])[0] == 1 and len(part) == 2
+    # learned's position table adds parameters; its size is still its model's (the smallest group's count)
+    assert sorted(params) == ["alibi [2.58k]", "alibi [9.25k]", "learned [2.58k]", "learned [9.25k]",
+                              "nope [2.58k]", "nope [9.25k]"], params
+    assert params["learned [2.58k]"] > params["nope [2.58k]"] == params["alibi [2.58k]"] == 2576
+    assert set(headline["curve_label"]) == {"alibi", "learned", "nope"} and headline["runs"].tolist() == [2] * 6
+    for _, part in headline.groupby("size"):  # ranks 1 to 3 (or ties) within each size
+        assert sorted(part["rank_in_task"])[0] == 1 and len(part) == 3
     assert (out / "ood_vs_parameters.png").stat().st_size > 10_000
     assert "OOD score against parameter count" in (out / "report.md").read_text()
-    orderings = pd.read_csv(out / "orderings.csv")  # the one pair, compared at both sizes
-    assert orderings[["first", "second"]].values.tolist() == [["alibi", "nope"]]
-    assert orderings["relations"][0].startswith("2.58k: ") and ", 9.25k: " in orderings["relations"][0]
+    orderings = pd.read_csv(out / "orderings.csv")  # every pair, each compared at both sizes
+    pairs = orderings[["first", "second"]].values.tolist()
+    assert pairs == [["alibi", "learned"], ["alibi", "nope"], ["learned", "nope"]], pairs
+    assert all(r.startswith("2.58k: ") and ", 9.25k: " in r for r in orderings["relations"])
 
 
 def test_progress_lists_every_run_and_counts_the_states(tmp_path, capsys):

@@ -335,9 +335,9 @@ def test_wandb_offline_sweep_run_has_group_tags_and_headline_summary(tmp_path):
 def test_orderings_across_sizes_separate_only_when_every_seed_does():
     from posbench.report import ordering_table
 
-    def group(label, size, n_params, low, high, n=3, task="copy", metric="exact_match"):
-        return {"task": task, "curve_label": label, "size": size, "n_params": n_params, "metric": metric,
-                "ood_score_min": low, "ood_score_max": high, "ood_score_n": n}
+    def group(label, size, n_params, low, high, n=3, task="copy", metric="exact_match", setting=""):
+        return {"task": task, "setting": setting, "curve_label": label, "size": size, "n_params": n_params,
+                "metric": metric, "ood_score_min": low, "ood_score_max": high, "ood_score_n": n}
 
     headline = pd.DataFrame([
         group("alibi", "26k", 26_000, 0.5, 0.6), group("alibi", "151k", 151_000, 0.6, 0.7),
@@ -347,6 +347,11 @@ def test_orderings_across_sizes_separate_only_when_every_seed_does():
         group("rope", "26k", 26_000, 0.0, 0.05), group("rope", "151k", 151_000, 0.0, 0.05),
         group("rope", "794k", 794_000, 0.3, 0.9, n=1),  # one seed: not compared at this size
         group("t5", "26k", 26_000, 0.0, 0.3), group("t5", "151k", 151_000, 0.04, 0.5),
+        # another variant of copy: its groups are compared with each other only
+        group("alibi variant=rsc", "26k", 26_000, 0.95, 1.0, setting="variant=rsc"),
+        group("alibi variant=rsc", "151k", 151_000, 0.95, 1.0, setting="variant=rsc"),
+        group("sinusoidal variant=rsc", "26k", 26_000, 0.2, 0.97, setting="variant=rsc"),
+        group("sinusoidal variant=rsc", "151k", 151_000, 0.3, 0.5, setting="variant=rsc"),
         # perplexity: lower is better
         group("alibi", "26k", 26_000, 20.0, 21.0, task="wikitext", metric="perplexity"),
         group("alibi", "151k", 151_000, 18.0, 19.0, task="wikitext", metric="perplexity"),
@@ -354,9 +359,14 @@ def test_orderings_across_sizes_separate_only_when_every_seed_does():
         group("rope", "151k", 151_000, 25.0, 35.0, task="wikitext", metric="perplexity"),
     ])
     table = ordering_table(headline).set_index(["task", "first", "second"])
+    assert table.loc[("copy", "alibi variant=rsc", "sinusoidal variant=rsc"), "setting"] == "variant=rsc"
+    table = table[["verdict", "relations"]]
     assert table.loc[("copy", "alibi", "nope")].tolist() == ["reverses", "26k: >, 151k: ≈, 794k: <"]
     assert table.loc[("copy", "alibi", "rope")].tolist() == ["holds", "26k: >, 151k: >"]
     assert table.loc[("copy", "nope", "t5")].tolist() == ["depends on size", "26k: ≈, 151k: >"]
     assert table.loc[("copy", "rope", "t5")].tolist() == ["not separated", "26k: ≈, 151k: ≈"]
     assert table.loc[("wikitext", "alibi", "rope")].tolist() == ["holds", "26k: >, 151k: >"]
-    assert len(table) == 6 + 1  # every pair of the four on copy at two or more sizes, and the one on wikitext
+    assert table.loc[("copy", "alibi variant=rsc", "sinusoidal variant=rsc")].tolist() == [
+        "depends on size", "26k: ≈, 151k: >"]
+    # every pair of the four on copy at two or more sizes, the one of rsc, and the one on wikitext
+    assert len(table) == 6 + 1 + 1
