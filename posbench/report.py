@@ -121,7 +121,8 @@ def add_groups(frame):
     smallest group, so an encoding's own parameters such as learned's table leave it at its
     model's size; else ""), curve_label (the encoding plus the other settings that tell its groups
     apart), setting (those settings other than the encoding's: the groups whose encodings are
-    compared share it) and label (curve_label and the size: one per group)."""
+    compared share it), encoding_label (curve_label less the setting) and label (curve_label and
+    the size: one per group)."""
     frame = frame.copy()
     frame["steps"] = [configured_steps(src) or _plain(done) for src, done in zip(frame["source"], frame["train_steps"])]
     firsts = frame.drop_duplicates("run_id")  # settings are per run: every row of a run joins its group
@@ -147,15 +148,17 @@ def add_groups(frame):
         if len(set(names.values())) == len(names):
             sizes = {group: names[model] for group, model in model_of.items()}
             varying -= model_keys
-    curve_labels, comparable = {}, {}
+    curve_labels, comparable, encoding_labels = {}, {}, {}
     for group, (_, encoding, s) in per_group.items():
-        shown = [f"{setting_name(k)}={s[k]}" for k in sorted(varying) if k in s]
-        curve_labels[group] = " ".join([encoding, ", ".join(shown)]).strip()
-        comparable[group] = ", ".join(f"{setting_name(k)}={s[k]}" for k in sorted(varying)
-                                      if k in s and not k.startswith("encoding."))
+        shown = [(k, f"{setting_name(k)}={s[k]}") for k in sorted(varying) if k in s]
+        curve_labels[group] = " ".join([encoding, ", ".join(text for _, text in shown)]).strip()
+        comparable[group] = ", ".join(text for k, text in shown if not k.startswith("encoding."))
+        encoding_labels[group] = " ".join([encoding, ", ".join(text for k, text in shown
+                                                               if k.startswith("encoding."))]).strip()
     frame["size"] = frame["group"].map(sizes).fillna("") if sizes else ""
     frame["curve_label"] = frame["group"].map(curve_labels)
     frame["setting"] = frame["group"].map(comparable)
+    frame["encoding_label"] = frame["group"].map(encoding_labels)
     frame["label"] = [f"{c} [{z}]" if z else c for c, z in zip(frame["curve_label"], frame["size"])]
     return frame
 
@@ -219,7 +222,8 @@ def summary_table(frame):
     measured = [m for m in HEADLINE_METRICS if m in frame and frame[m].notna().any()]
     measured += [m for m in COST_COLUMNS if m in frame]  # kept when unmeasured: the cost figure says so
     ok = frame[frame["status"] == "ok"]
-    keys = ["group", "label", "curve_label", "setting", "size", "task", "encoding", "train_length", "eval_length"]
+    keys = ["group", "label", "curve_label", "setting", "encoding_label", "size", "task", "encoding", "train_length",
+            "eval_length"]
     base = frame.groupby(keys, sort=True).agg(ratio=("ratio", "first"))
     base["runs"] = base.index.get_level_values("group").map(frame.groupby("group")["run_id"].nunique())
     base = base.join(ok.groupby(keys).agg(n=("run_id", "nunique"),
@@ -242,7 +246,7 @@ def headline_table(frame, runs, summary, threshold: float):
         at_longest = summary[(summary["group"] == group)].sort_values("eval_length").iloc[-1]
         metric = part["metric"].iloc[0]
         record = {"label": first["label"], "curve_label": first["curve_label"], "setting": first["setting"],
-                  "size": first["size"],
+                  "encoding_label": first["encoding_label"], "size": first["size"],
                   "n_params": first["n_params"], "task": first["task"], "encoding": first["encoding"], "metric": metric,
                   "criterion": criterion(metric, threshold), "train_length": first["train_length"],
                   "longest_length": at_longest["eval_length"], "runs": len(part),
@@ -517,8 +521,9 @@ def build_blocks(frame, runs, headline, comparison, orderings, figures: dict[str
             blocks.append(("figure", path, f"{METRIC_LABELS.get(metric, metric)} against evaluation length / N "
                            f"(log2), one panel per task{' and model size' if 'scaling' in figures else ''}; {lines}."))
     if "scaling" in figures:
-        blocks.append(("figure", figures["scaling"], "OOD score against parameter count, one line per group "
-                       "label, mean over seeds with a min..max bar; ranks above are within one setting and model size."))
+        blocks.append(("figure", figures["scaling"], "OOD score against parameter count, one panel per task "
+                       "and setting, one line per encoding, mean over seeds with a min..max bar; ranks above are "
+                       "within one setting and model size."))
     blocks += [("figure", figures["heatmap"], "OOD score (mean over seeds) per group and task."),
                ("figure", figures["cost"], "Evaluation throughput and peak memory against evaluation length "
                 "(mean over seeds; on CPU the peak is the process's resident high-water mark).")]

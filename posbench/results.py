@@ -213,18 +213,24 @@ def plot_curves(summary, path: str | Path, metric: str, threshold: float | None 
 
 
 def plot_scaling(headline, path: str | Path) -> None:
-    """OOD score against parameter count (log axis), one panel per task, one line per curve
-    label: the mean over seeds with a min..max bar. For reports whose groups span model sizes."""
+    """Saves scaling_figure(headline) to path."""
+    _save(scaling_figure(headline), path)
+
+
+def scaling_figure(headline):
+    """OOD score against parameter count (log axis), one panel per task and setting (e.g. a copy
+    variant), one line per encoding label (one colour in every panel): the mean over seeds with a
+    min..max bar. For reports whose groups span model sizes."""
     from posbench.headline import lower_is_better
 
     plt = _pyplot()
-    tasks = sorted(headline["task"].unique())
-    styles = _line_styles(headline["curve_label"].unique())
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.6 * len(tasks) + 2.5, 3.8), squeeze=False,
+    panels = sorted(headline.groupby(["task", "setting"]).groups)
+    styles = _line_styles(headline["encoding_label"].unique())
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 2.5, 3.8), squeeze=False,
                              layout="constrained")
-    for ax, task in zip(axes[0], tasks):
-        part = headline[headline["task"] == task]
-        for label, line in part.groupby("curve_label", sort=True):
+    for ax, (task, setting) in zip(axes[0], panels):
+        part = headline[(headline["task"] == task) & (headline["setting"] == setting)]
+        for label, line in part.groupby("encoding_label", sort=True):
             line = line.sort_values("n_params")
             color, dash = styles[label]
             mean = line["ood_score_mean"].to_numpy(dtype=float)
@@ -239,11 +245,10 @@ def plot_scaling(headline, path: str | Path) -> None:
             ax.set_yscale("log")
         else:
             ax.set_ylim(-0.03, 1.03)
-        ax.set_title(task)
+        ax.set_title(f"{task} {setting}".strip(), fontsize=9)
         ax.grid(alpha=0.3)
     _figure_legend(fig, axes[0], "mean over seeds,\nbar: min..max")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def plot_heatmap(headline, path: str | Path) -> None:

@@ -3,7 +3,7 @@ title and colour-bar labels lie inside the figure however few task columns it ha
 import pandas as pd
 import pytest
 
-from posbench.results import heatmap_figure, run_figure
+from posbench.results import heatmap_figure, run_figure, scaling_figure
 
 
 def run_rows(perplexities: list[float]) -> list[dict]:
@@ -48,3 +48,19 @@ def test_heatmap_title_and_colour_bar_labels_lie_inside_the_figure(tasks):
     (title,) = fig.texts  # the suptitle
     assert title.get_text().startswith("OOD score")
     assert all(inside(fig, text) for text in [title, *bar_labels])
+
+
+def test_scaling_figure_has_a_panel_per_task_setting_and_a_colour_per_encoding():
+    """Copy variants are not one task for the comparison: cmc and rsc get panels of their own,
+    and an encoding keeps its colour from panel to panel."""
+    rows = [{"task": task, "setting": setting, "encoding_label": encoding, "n_params": n, "metric": "exact_match",
+             "ood_score_mean": score, "ood_score_min": score - 0.1, "ood_score_max": score + 0.1}
+            for task, setting in [("copy", "variant=cmc"), ("copy", "variant=rsc"), ("sort", "")]
+            for encoding, score in [("alibi", 0.5), ("nope", 0.3)] for n in (26_000, 151_000)]
+    fig = scaling_figure(pd.DataFrame(rows))
+    panels = [ax for ax in fig.axes if ax.get_title()]
+    assert [ax.get_title() for ax in panels] == ["copy variant=cmc", "copy variant=rsc", "sort"]
+    for ax in panels:
+        assert ax.get_legend_handles_labels()[1] == ["alibi", "nope"]
+    colours = {tuple(ax.get_legend_handles_labels()[0][0].lines[0].get_color()) for ax in panels}
+    assert len(colours) == 1  # alibi's line has one colour in all three panels
