@@ -268,27 +268,32 @@ def headline_table(frame, runs, summary, threshold: float):
 def add_ranking(headline):
     """rank_in_task: rank of the mean OOD score among the task's groups of one setting and model
     size (1 = best; ties share the better rank; a group without an OOD score ranks last); mrr: the mean
-    over tasks of 1 / rank for the group's label (Kazemnejad et al. 2023), tasks: how many tasks
-    it was ranked on."""
+    over tasks of 1 / rank for the group's rank_label (its encoding label and size; a task and
+    setting, e.g. copy's cmc and rsc, counts as a task of its own: ranked_on), as Kazemnejad et al.
+    (2023) rank encodings; tasks: how many it was ranked on."""
     headline = headline.copy()
+    headline["ranked_on"] = [f"{task} {setting}".strip() for task, setting in zip(headline["task"], headline["setting"])]
+    headline["rank_label"] = [f"{e} [{z}]" if z else e for e, z in zip(headline["encoding_label"], headline["size"])]
     headline["rank_in_task"] = 0
     for _, part in headline.groupby(["task", "setting", "size"]):
         ascending = lower_is_better(part["metric"].iloc[0])
         ranks = part["ood_score_mean"].rank(method="min", ascending=ascending, na_option="bottom")
         headline.loc[part.index, "rank_in_task"] = ranks.astype(int)
     reciprocal = 1 / headline["rank_in_task"]
-    headline["mrr"] = reciprocal.groupby(headline["label"]).transform("mean")
-    headline["tasks"] = headline.groupby("label")["task"].transform("nunique")
+    headline["mrr"] = reciprocal.groupby(headline["rank_label"]).transform("mean")
+    headline["tasks"] = headline.groupby("rank_label")["ranked_on"].transform("nunique")
     return headline.sort_values(["task", "rank_in_task", "label"]).reset_index(drop=True)
 
 
 def ranking_table(headline):
     import pandas as pd
 
-    ranks = headline.pivot_table(index="label", columns="task", values="rank_in_task", aggfunc="first")
+    """One row per rank label: its MRR, the number of tasks and its rank on each (task and setting)."""
+    ranks = headline.pivot_table(index="rank_label", columns="ranked_on", values="rank_in_task", aggfunc="first")
     ranks.columns = [f"rank on {task}" for task in ranks.columns]
-    mrr = headline.groupby("label").agg(mrr=("mrr", "first"), tasks=("tasks", "first"))
-    return pd.concat([mrr, ranks], axis=1).reset_index().sort_values(["mrr", "label"], ascending=[False, True])
+    mrr = headline.groupby("rank_label").agg(mrr=("mrr", "first"), tasks=("tasks", "first"))
+    table = pd.concat([mrr, ranks], axis=1).rename_axis("label").reset_index()
+    return table.sort_values(["mrr", "label"], ascending=[False, True])
 
 
 def published_table(frame, runs):

@@ -204,6 +204,29 @@ def test_ranking_is_the_mean_reciprocal_rank_over_tasks(report):
     assert headline.loc[("copy", "rope base=500"), ["mrr", "tasks"]].tolist() == [1.0, 1]
 
 
+def test_a_task_setting_is_ranked_on_its_own_and_the_mrr_pools_an_encoding_over_them():
+    """Copy's cmc and rsc are two comparisons: an encoding is ranked within each, and its MRR is
+    over both and sort, as Kazemnejad et al. rank encodings over their tasks."""
+    from posbench.report import add_ranking, ranking_table
+
+    def group(task, setting, encoding, score):
+        label = f"{encoding} {setting}".strip()
+        return {"task": task, "setting": setting, "encoding_label": encoding, "curve_label": label, "label": label,
+                "size": "", "metric": "exact_match", "ood_score_mean": score}
+
+    headline = add_ranking(pd.DataFrame([
+        group("copy", "variant=cmc", "alibi", 0.8), group("copy", "variant=cmc", "nope", 0.1),
+        group("copy", "variant=rsc", "alibi", 0.9), group("copy", "variant=rsc", "nope", 1.0),
+        group("sort", "", "alibi", 0.4), group("sort", "", "nope", 0.9)]))
+    ranks = headline.set_index(["task", "label"])["rank_in_task"]
+    assert ranks[("copy", "alibi variant=cmc")] == 1 and ranks[("copy", "nope variant=rsc")] == 1
+    table = ranking_table(headline).set_index("label")
+    assert table.loc["alibi", "mrr"] == pytest.approx((1 + 1 / 2 + 1 / 2) / 3)
+    assert table.loc["nope", "mrr"] == pytest.approx((1 / 2 + 1 + 1) / 3)
+    assert table.loc["nope", ["tasks", "rank on copy variant=cmc", "rank on copy variant=rsc", "rank on sort"]
+                     ].tolist() == [3, 2, 1, 1]
+
+
 def test_past_n_by_task_is_the_headline_pivoted(report):
     text = (report / "report.md").read_text()
     section = text.split("## Past N by task")[1].split("## ")[0]
