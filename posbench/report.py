@@ -419,11 +419,11 @@ def headline_rows(headline):
 
 
 def by_task_rows(headline, ranking) -> list[dict]:
-    """Group label × task: the OOD score, mean ± std over seeds, and the score at N in brackets;
-    groups in the order of the ranking across tasks."""
-    cells = {(r["label"], r["task"]): f"{pm(r, 'ood_score')} ({fmt(r['id_score_mean'])})"
+    """Rank label × task (and setting): the OOD score, mean ± std over seeds, and the score at N
+    in brackets; rows in the order of the ranking across tasks."""
+    cells = {(r["rank_label"], r["ranked_on"]): f"{pm(r, 'ood_score')} ({fmt(r['id_score_mean'])})"
              for _, r in headline.iterrows()}
-    tasks = sorted(headline["task"].unique())
+    tasks = sorted(headline["ranked_on"].unique())
     return [{"group": label, **{task: cells.get((label, task), "") for task in tasks}} for label in ranking["label"]]
 
 
@@ -492,10 +492,10 @@ def build_blocks(frame, runs, headline, comparison, orderings, figures: dict[str
         "Extrapolation L: the largest evaluated length up to which the criterion holds at every "
         "evaluated length (0: not even the shortest); L / N the same as a ratio. Criteria: "
         + "; ".join(sorted(set(headline["criterion"]))) + ". Throughput and memory are means over seeds; "
-        "rank is the rank of the OOD score within the task."),
+        "rank is the rank of the OOD score within the task (its setting and model size)."),
         ("table", headline_rows(headline))]
     ranking = ranking_table(headline)
-    if headline["task"].nunique() > 1:
+    if headline["ranked_on"].nunique() > 1:
         blocks += [("h2", "Past N by task"), ("p",
             "The OOD score of each group on each task, mean ± sample standard deviation over seeds, and in "
             "brackets the mean at N; groups in the order of the ranking across tasks below."),
