@@ -78,31 +78,37 @@ class Task:
 class SequenceTask(Task):
     """A task that maps an input x [B, n'] to an answer y [B, m]; this class lays the pair out.
 
-    Ids: 0..alphabet-1 are the task's own tokens (symbols, digits, operators, labels), then SEP,
-    BOS and, in the encoder layout only, QUERY. Subclasses give `input_length` (n'),
-    `output_length` (m) and `generate` (batched tensor ops on the generator's device). With b = 1
-    when there is a BOS token, else 0, the two layouts are:
+    Ids: 0..alphabet-1 are the task's own tokens (symbols, digits, operators, labels), then EOS
+    (with eos only), SEP, BOS and, in the encoder layout only, QUERY. Subclasses give
+    `input_length` (n'), `output_length` (m) and `generate` (batched tensor ops on the generator's
+    device). With eos, the answer is y followed by EOS: m + 1 tokens, written y' below (y' = y
+    without eos). With b = 1 when there is a BOS token, else 0, the two layouts are:
 
-    - causal (a decoder): the sequence `[BOS] x SEP y_1..y_m`; the model sees all but its last
-      token (T = b + n' + m) and is scored on predicting y_1..y_m (teacher forcing).
+    - causal (a decoder): the sequence `[BOS] x SEP y'`; the model sees all but its last token
+      (T = b + n' + |y'|) and is scored on predicting every token of y' (teacher forcing).
     - encoder (causal=False, as Deletang et al. 2022 run their tasks): a non-causal model reads
-      `[BOS] x SEP QUERY*m` (T = b + n' + 1 + m) and predicts y at the m QUERY positions in one
-      pass; no answer token is in the inputs. Targets elsewhere repeat the inputs, never scored.
+      `[BOS] x SEP QUERY*|y'|` (T = b + n' + 1 + |y'|) and predicts y' at the QUERY positions in
+      one pass; no answer token is in the inputs. Targets elsewhere repeat the inputs, never scored.
 
-    In both the answer is scored at the last m positions. An answer shorter than its fixed width m
-    (e.g. a final stack ended by an END token, then padded) marks the positions that count in
-    `scored`. BOS gives every encoding, NoPE included, a fixed anchor to count from.
+    In both the answer is scored at the last |y'| positions. An answer shorter than its fixed width
+    m (e.g. a final stack ended by an END token, then padded) marks the positions that count in
+    `scored`; EOS always counts. BOS gives every encoding, NoPE included, a fixed anchor to count
+    from. EOS makes the model say where the answer ends: teacher-forced exact match (every scored
+    argmax right) is then greedy generation's exact match (generate y, then EOS, stop).
     """
 
     options: tuple[str, ...] = ()  # the subclass's constructor options, recorded by params()
 
-    def __init__(self, alphabet: int, default_length: int = 16, bos: bool = True, causal: bool = True):
+    def __init__(self, alphabet: int, default_length: int = 16, bos: bool = True, causal: bool = True,
+                 eos: bool = False):
         self.alphabet = int(alphabet)
-        self.sep = self.alphabet
-        self.bos = self.alphabet + 1 if bos else None
+        self.eos = bool(eos)  # the option (params() records it where a task lists it in `options`)
+        self.eos_id = self.alphabet if self.eos else None
+        self.sep = self.alphabet + self.eos
+        self.bos = self.sep + 1 if bos else None
         self.causal = bool(causal)
-        self.query = None if self.causal else self.alphabet + 2
-        self.vocab_size = self.alphabet + (2 if self.causal else 3)
+        self.query = None if self.causal else self.sep + 2
+        self.vocab_size = self.sep + (2 if self.causal else 3)
         self.default_length = int(default_length)
 
     def params(self) -> dict:
@@ -131,13 +137,18 @@ class SequenceTask(Task):
 
     def sequence_length(self, length: int) -> int:
         self.check_length(length)
-        answer = self.output_length(length) + (0 if self.causal else 1)  # the encoder adds QUERY*m after SEP
+        # |y'| answer tokens; the encoder's inputs drop no last token, so one more
+        answer = self.output_length(length) + self.eos + (0 if self.causal else 1)
         return (self.bos is not None) + self.input_length(length) + answer
 
     def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
         self.check_length(length)
         x, y = self.generate(batch_size, length, generator)  # [B, n'], [B, m]
-        m = y.shape[1]
+        scored = self.scored(y)  # [B, m]
+        if self.eos:  # y' = y EOS: where the answer ends is scored too
+            y = torch.cat([y, filled(self.eos_id, y, 1)], dim=1)  # [B, m + 1]
+            scored = F.pad(scored, (0, 1), value=True)  # [B, m + 1]
+        m = y.shape[1]  # |y'|
         parts = [filled(self.bos, x, 1)] if self.bos is not None else []
         parts += [x, filled(self.sep, x, 1)]
         if self.causal:
@@ -148,7 +159,7 @@ class SequenceTask(Task):
             targets = inputs.clone()
             targets[:, -m:] = y
         loss_mask = torch.zeros_like(inputs, dtype=torch.bool)  # [B, T]
-        loss_mask[:, -m:] = self.scored(y)
+        loss_mask[:, -m:] = scored
         return Batch(inputs=inputs, targets=targets, loss_mask=loss_mask)
 
 
@@ -166,15 +177,17 @@ class TransductionTask(SequenceTask):
     """Read n uniform random symbols, then write f(symbols), n of them: `x_1..x_n SEP y_1..y_n`.
 
     Length = n, the number of input symbols. Causal: the model sees `[BOS] x SEP y_1..y_{n-1}`
-    (2n tokens, 2n + 1 with BOS) and is scored on predicting y_1..y_n.
+    (2n tokens, 2n + 1 with BOS) and is scored on predicting y_1..y_n; with eos it sees y_n too and
+    is scored on the EOS after it as well.
     """
 
     options = ("symbols",)
 
-    def __init__(self, symbols: int = 10, default_length: int = 16, bos: bool = True, causal: bool = True):
+    def __init__(self, symbols: int = 10, default_length: int = 16, bos: bool = True, causal: bool = True,
+                 eos: bool = False):
         if symbols < 2:
             raise ValueError(f"task.symbols={symbols}: need at least 2 symbols")
-        super().__init__(symbols, default_length, bos, causal)
+        super().__init__(symbols, default_length, bos, causal, eos)
         self.symbols = int(symbols)
 
     def transform(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,15 +14,20 @@ their data splits are:
   theirs). They have no rdc2x split: rdc with repeat=2 is refused.
 
 Their prompt words ("Copy:", "Replace", "with", "in") are constant tokens and are left out; the
-layout is tasks.base's: [BOS] x SEP y. Tokens: 0..symbols-1, then NEXT (cmc with repeat=2 only),
-then SEP, BOS (and QUERY in the encoder layout). The default (cmc, repeat=1) draws exactly the
-batches this task drew before the variants existed.
+layout is tasks.base's: [BOS] x SEP y. They score by greedy generation that stops at EOS, so the
+model also says where the answer ends; task.eos=true does so here: [BOS] x SEP y EOS, EOS scored
+(the default, false, scores y alone, its length given).
+
+Tokens: 0..symbols-1, then NEXT (cmc with repeat=2 only), then EOS (task.eos=true only), then SEP,
+BOS (and QUERY in the encoder layout). E.g. symbols=10 with eos: EOS 10, SEP 11, BOS 12 (QUERY 13);
+cmc2x with eos: NEXT 10, EOS 11, SEP 12, BOS 13 (QUERY 14). The default (cmc, repeat=1, eos=false)
+draws exactly the batches this task drew before the variants existed.
 """
 from __future__ import annotations
 
 import torch
 
-from posbench.checks import Choice, Integer
+from posbench.checks import Choice, Flag, Integer
 from tasks.base import SequenceTask, filled, uniform_ids
 from tasks.options import Transduction, check_layout
 
@@ -31,21 +36,22 @@ VARIANTS = ("cmc", "rsc", "rdc")
 
 class Copy(Transduction):
     name = "copy"
-    options = ("symbols", "variant", "repeat")
+    options = ("symbols", "variant", "repeat", "eos")
 
     def __init__(self, symbols: int = 10, default_length: int = 16, bos: bool = True, causal: bool = True,
-                 variant: str = "cmc", repeat: int = 1):
+                 variant: str = "cmc", repeat: int = 1, eos: bool = False):
         check_layout(self.name, default_length, bos, causal)
         self.symbols = Integer(2)("task.symbols", symbols, self.name)
         self.variant = Choice(VARIANTS)("task.variant", variant, self.name)
         self.repeat = Integer(1, 2)("task.repeat", repeat, self.name)
+        eos = Flag()("task.eos", eos, self.name)
         if self.variant == "rdc" and self.repeat == 2:
             raise ValueError(f"{self.name}: task.repeat=2 with task.variant='rdc' is not valid: Kazemnejad et al. "
                              "have no 2x rdc task; use task.repeat=1, or task.variant=cmc or rsc with task.repeat=2")
         self.next = self.symbols if (self.variant, self.repeat) == ("cmc", 2) else None
         # TransductionTask's own __init__ only checks and stores `symbols` (done above); the alphabet
         # gains NEXT when cmc is written twice, so the layout is set up here with that alphabet
-        SequenceTask.__init__(self, self.symbols + (self.next is not None), default_length, bos, causal)
+        SequenceTask.__init__(self, self.symbols + (self.next is not None), default_length, bos, causal, eos)
 
     def transform(self, x: torch.Tensor) -> torch.Tensor:
         return x

@@ -108,7 +108,7 @@ def test_added_settings_at_their_earlier_values_keep_the_config_hash():
     assert config_hash(group_config(resolved)) == "5e807f9dc682"
     for key, other in (("model.activation", "relu"), ("model.norm", "rmsnorm"), ("model.bias", False),
                        ("model.norm_position", "post"), ("model.embed_scale", True), ("train.schedule", "linear"),
-                       ("encoding.rotary_fraction", 0.25)):
+                       ("encoding.rotary_fraction", 0.25), ("task.eos", True)):
         changed = copy.deepcopy(resolved)
         section, leaf = key.split(".")
         changed[section][leaf] = other

@@ -92,7 +92,8 @@ def test_the_default_is_the_copy_task_as_it_was():
         def transform(self, x):
             return x
 
-    assert Copy().params() == {"symbols": 10, "variant": "cmc", "repeat": 1, "bos": True, "causal": True}
+    assert Copy().params() == {"symbols": 10, "variant": "cmc", "repeat": 1, "eos": False, "bos": True,
+                               "causal": True}
     for causal in (True, False):
         for bos in (True, False):
             now, before = Copy(causal=causal, bos=bos), Before(10, 16, bos, causal)
@@ -120,7 +121,7 @@ def test_seeded_determinism(variant, repeat):
 @pytest.mark.parametrize("variant,repeat", VARIANTS)
 def test_params_record_the_variant(variant, repeat):
     params = Copy(variant=variant, repeat=repeat, causal=False).params()
-    assert params == {"symbols": 10, "variant": variant, "repeat": repeat, "bos": True, "causal": False}
+    assert params == {"symbols": 10, "variant": variant, "repeat": repeat, "eos": False, "bos": True, "causal": False}
     json.dumps(params)
 
 

@@ -146,7 +146,8 @@ def test_kazemnejad_copy_smoke_and_its_published_numbers_in_the_report(tmp_path)
     assert rows[1][0]["encoding_params"]["rotary_fraction"] == 0.25  # debug=smoke: 2 of d_head 8 rotate
     for encoding, runs in zip(("nope", "rope"), rows):
         assert [r["eval_length"] for r in runs] == [20, 30, 40] and {r["encoding"] for r in runs} == {encoding}
-        assert runs[0]["task_params"] == {"symbols": 100, "variant": "cmc", "repeat": 1, "bos": True, "causal": True}
+        assert runs[0]["task_params"] == {"symbols": 100, "variant": "cmc", "repeat": 1, "eos": False, "bos": True,
+                                          "causal": True}
     out = write_report([str(tmp_path / "0"), str(tmp_path / "1")], tmp_path / "report")
     table = pd.read_csv(out / "published.csv").set_index("encoding")
     assert table.loc["nope", "published"] == 0.305 and table.loc["rope", "published"] == 0.011  # cmc, not rsc's
