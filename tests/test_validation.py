@@ -107,6 +107,8 @@ BAD = [  # overrides -> the start of the message (the key and the value as given
     (["task.symbols=1"], "copy: task.symbols=1: must be >= 2"),
     (["task.symbols=abc"], "copy: task.symbols='abc': must be an integer >= 2"),
     (["task.bos=maybe"], "copy: task.bos='maybe': must be true or false"),
+    (["task.eos=maybe"], "copy: task.eos='maybe': must be true or false"),
+    (["task=sort", "task.eos=1"], "sort: task.eos=1: must be true or false"),
     (["task=lego", "task.variables=0"], "lego: task.variables=0: must be >= 1"),
     (["task=summation", "task.modulus=x"], "summation: task.modulus='x': must be an integer >= 2"),
     (["task=passkey", "task.digits=0"], "passkey: task.digits=0: must be >= 1"),
