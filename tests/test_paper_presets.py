@@ -41,6 +41,7 @@ def test_kazemnejad_copy_holds_the_papers_protocol():
     cfg = compose_cfg("experiment=kazemnejad_copy")
     assert cfg.task._target_ == "tasks.copy.Copy" and (cfg.task.variant, cfg.task.repeat, cfg.task.symbols) == \
         ("cmc", 1, 100)
+    assert cfg.task.eos is True  # their generation must stop after the answer, so the EOS is scored
     assert dict(cfg.model) == {"d_model": 768, "n_layers": 12, "n_heads": 12, "mlp_ratio": 4, "causal": True,
                                "dropout": 0.1, "activation": "relu", "norm": "rmsnorm", "bias": False,
                                "norm_position": "pre", "embed_scale": False}
@@ -90,6 +91,7 @@ def test_kazemnejad_copy_publishes_the_rope_number_for_their_partial_rotary_only
     assert numbers("kazemnejad_pe=pe_rotary") == [0.011]
     assert numbers("kazemnejad_pe=pe_rotary", "task.repeat=2") == [0.043]
     assert numbers("encoding=rope") == [] and numbers("kazemnejad_pe=pe_rotary", "encoding.rotary_fraction=0.5") == []
+    assert numbers("kazemnejad_pe=pe_rotary", "task.eos=false") == []  # their numbers score the stop as well
 
 
 def test_ruoss_chomsky_holds_the_papers_protocol():
@@ -146,12 +148,12 @@ def test_kazemnejad_copy_smoke_and_its_published_numbers_in_the_report(tmp_path)
     assert rows[1][0]["encoding_params"]["rotary_fraction"] == 0.25  # debug=smoke: 2 of d_head 8 rotate
     for encoding, runs in zip(("nope", "rope"), rows):
         assert [r["eval_length"] for r in runs] == [20, 30, 40] and {r["encoding"] for r in runs} == {encoding}
-        assert runs[0]["task_params"] == {"symbols": 100, "variant": "cmc", "repeat": 1, "eos": False, "bos": True,
+        assert runs[0]["task_params"] == {"symbols": 100, "variant": "cmc", "repeat": 1, "eos": True, "bos": True,
                                           "causal": True}
     out = write_report([str(tmp_path / "0"), str(tmp_path / "1")], tmp_path / "report")
     table = pd.read_csv(out / "published.csv").set_index("encoding")
     assert table.loc["nope", "published"] == 0.305 and table.loc["rope", "published"] == 0.011  # cmc, not rsc's
-    assert table.loc["rope", "setting"] == "task.variant=cmc, task.repeat=1, encoding.rotary_fraction=0.25"
+    assert table.loc["rope", "setting"] == "task.eos=True, task.variant=cmc, task.repeat=1, encoding.rotary_fraction=0.25"
     for encoding, runs in zip(("nope", "rope"), rows):  # the mean over the evaluated lengths in 21..40: 30 and 40
         mean = (runs[1]["exact_match"] + runs[2]["exact_match"]) / 2
         assert table.loc[encoding, "posbench_mean"] == pytest.approx(mean)
