@@ -5,6 +5,7 @@ measured, so a crash loses nothing already written.
 """
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -146,8 +147,13 @@ def run_figure(rows: list[dict]):
 
 
 def _save(fig, path: str | Path) -> None:
-    fig.savefig(path, dpi=120)
+    """A PNG at 120 dpi in a 256-colour palette: plots have few colours, and report.html embeds each."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=120, format="png")
     _pyplot().close(fig)
+    Image.open(buffer).quantize(256, method=Image.Quantize.FASTOCTREE).save(path, optimize=True)
 
 
 def _line_styles(labels) -> dict:
@@ -208,8 +214,7 @@ def plot_curves(summary, path: str | Path, metric: str, threshold: float | None 
             ax.set_title(f"{task}, {size} parameters" if size else task)
     _figure_legend(fig, axes.flat, "line: mean over seeds\nband: min..max over seeds" if several_seeds
                    else "one seed per line")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_scaling(headline, path: str | Path) -> None:
@@ -338,8 +343,7 @@ def plot_cost(summary, path: str | Path) -> None:
             if row == 0:
                 ax.set_title(f"{task} (mean over seeds)")
     _figure_legend(fig, axes.flat)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_ranking(ranking, path: str | Path) -> None:
@@ -357,8 +361,7 @@ def plot_ranking(ranking, path: str | Path) -> None:
     ax.set_xlabel("mean reciprocal rank of OOD score across tasks (1 = best on every task)")
     ax.tick_params(axis="y", labelsize=8)
     ax.grid(axis="x", alpha=0.3)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def _decorate(ax, metric: str, train_length, ratios) -> None:
