@@ -5,7 +5,6 @@ measured, so a crash loses nothing already written.
 """
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
@@ -147,13 +146,8 @@ def run_figure(rows: list[dict]):
 
 
 def _save(fig, path: str | Path) -> None:
-    """A PNG at 120 dpi in a 256-colour palette: plots have few colours, and report.html embeds each."""
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    fig.savefig(buffer, dpi=120, format="png")
+    fig.savefig(path, dpi=120)
     _pyplot().close(fig)
-    Image.open(buffer).quantize(256, method=Image.Quantize.FASTOCTREE).save(path, optimize=True)
 
 
 def _line_styles(labels) -> dict:
@@ -214,7 +208,8 @@ def plot_curves(summary, path: str | Path, metric: str, threshold: float | None 
             ax.set_title(f"{task}, {size} parameters" if size else task)
     _figure_legend(fig, axes.flat, "line: mean over seeds\nband: min..max over seeds" if several_seeds
                    else "one seed per line")
-    _save(fig, path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def plot_scaling(headline, path: str | Path) -> None:
@@ -343,7 +338,8 @@ def plot_cost(summary, path: str | Path) -> None:
             if row == 0:
                 ax.set_title(f"{task} (mean over seeds)")
     _figure_legend(fig, axes.flat)
-    _save(fig, path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def plot_ranking(ranking, path: str | Path) -> None:
@@ -361,7 +357,8 @@ def plot_ranking(ranking, path: str | Path) -> None:
     ax.set_xlabel("mean reciprocal rank of OOD score across tasks (1 = best on every task)")
     ax.tick_params(axis="y", labelsize=8)
     ax.grid(axis="x", alpha=0.3)
-    _save(fig, path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _decorate(ax, metric: str, train_length, ratios) -> None:
