@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from posbench.attention import causal_mask, get_backend
+from posbench.attention import AttentionCall, causal_mask, get_backend, query_key_hooks
 from posbench.encodings import REGISTRY
 from posbench.encodings.alibi import alibi_slopes
 from posbench.encodings.base import Encoding
@@ -40,8 +40,9 @@ def attention_by_hand(q, k, v, bias):
 
 def attend(enc, q, k, v, pos, backend="eager"):
     """What posbench.attention.Attention does with the encoding after the projections."""
-    q, k = enc.qk(q, k, pos, pos, 0) if "qk" in enc.hooks else (q, k)
-    return get_backend(backend).attend(q, k, v, enc, pos, pos, 0, True)
+    call = AttentionCall(enc, pos, pos, 0, True)
+    q, k = query_key_hooks(q, k, call)
+    return get_backend(backend).attend(q, k, v, call)
 
 
 def test_rope_plus_t5_equals_the_two_parts_applied_by_hand():
@@ -68,7 +69,7 @@ def test_learned_plus_alibi_equals_table_row_and_linear_bias_by_hand():
     slopes = alibi_slopes(HEADS)  # [H]: 2^-4, 2^-8 for two heads
     distance = (pos[0, :, None] - pos[0, None, :]).double()  # [L, L], i - j
     expected = attention_by_hand(q, k, v, -slopes[:, None, None] * distance.abs())
-    assert enc.hooks == {"embed", "bias"} and not enc.relative
+    assert enc.hooks == {"embed", "decay"} and not enc.relative  # alibi in a causal model: a decay
     torch.testing.assert_close(attend(enc, q, k, v, pos), expected, rtol=0, atol=1e-12)
 
 
@@ -119,7 +120,8 @@ def test_params_record_parts_rule_and_each_parts_settings():
     params = enc.params()
     assert params == {"parts": ["rope", "t5"], "embed_rule": "error",
                       "rope": {"base": 10000.0, "layout": "half", "scaling": "none", "scaling_factor": None,
-                               "original_positions": None, "rotary_fraction": 1.0},
+                               "original_positions": None, "rotary_fraction": 1.0, "frequency_fraction": 1.0,
+                               "frequency_cut": "none", "short_factors": None, "long_factors": None},
                       "t5": {"num_buckets": 16, "max_distance": 128, "bidirectional": False, "bucketed": True}}
     json.dumps(params)  # result rows are JSON
 
@@ -148,8 +150,13 @@ def test_rope_plus_alibi_is_shift_invariant(causal):
     pos = torch.arange(LENGTH)[None]
 
     def logits(shift):
-        rq, rk = enc.qk(q, k, pos + shift, pos + shift, 0)
-        return rq @ rk.transpose(-1, -2) * enc.logit_scale(HEAD) + enc.bias(pos + shift, pos + shift, 0)
+        call = AttentionCall(enc, pos + shift, pos + shift, 0, causal)
+        rq, rk = query_key_hooks(q, k, call)
+        if causal:  # alibi as a decay: c_i - c_j
+            term = call.q_levels[..., :, None] - call.k_levels[..., None, :]
+        else:
+            term = enc.bias(pos + shift, pos + shift, 0)
+        return rq @ rk.transpose(-1, -2) * enc.logit_scale(HEAD) + term
 
     for shift in (1, 37, 1000):
         torch.testing.assert_close(logits(shift), logits(0), rtol=0, atol=1e-9)
@@ -228,4 +235,4 @@ def test_cli_shape_composes_and_builds():
     built = build(cfg, torch.device("cpu"))
     assert built.encoding.params()["t5"]["num_buckets"] == 16 and built.backend == "sdpa"
     cfg = compose_cfg("encoding=composite", "encoding.parts=[sinusoidal,learned,alibi]", "encoding.embed_rule=sum")
-    assert build(cfg, torch.device("cpu")).encoding.hooks == {"embed", "bias"}
+    assert build(cfg, torch.device("cpu")).encoding.hooks == {"embed", "decay"}  # alibi in a causal model

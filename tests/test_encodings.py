@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from posbench.attention import BACKENDS, get_backend
+from posbench.attention import BACKENDS, AttentionCall, get_backend
 from posbench.encodings import HOOKS, REGISTRY
 from posbench.encodings.alibi import alibi_slopes
 from posbench.encodings.rope import rotate, rope_inv_freq
@@ -87,13 +87,13 @@ def test_alibi_slopes_known_values():
 
 
 def test_alibi_bias_is_minus_slope_times_distance():
-    enc = make_encoding("alibi", n_heads=4)
+    enc = make_encoding("alibi", n_heads=4, causal=False)
     bias = enc.bias(torch.arange(5)[None], torch.arange(5)[None], 0)  # [1, H, 5, 5]
     slopes = alibi_slopes(4)
     for h in range(4):
         for i in range(5):
-            for j in range(i + 1):
-                assert bias[0, h, i, j].item() == pytest.approx(-slopes[h].item() * (i - j), rel=1e-6)
+            for j in range(5):
+                assert bias[0, h, i, j].item() == pytest.approx(-slopes[h].item() * abs(i - j), rel=1e-6)
 
 
 def reference_bucket(rel: int, bidirectional: bool, num_buckets: int, max_distance: int) -> int:
@@ -203,12 +203,19 @@ def test_undeclared_hooks_change_nothing(case):
     x, ids = torch.randn(2, 6, 16, dtype=torch.float64), torch.randint(0, 11, (2, 6))
     q, k = torch.randn(2, 2, 6, 8, dtype=torch.float64), torch.randn(2, 2, 6, 8, dtype=torch.float64)
     p = torch.rand(2, 2, 6, 6, dtype=torch.float64)
+    logits, v = torch.randn(2, 2, 6, 6, dtype=torch.float64), torch.randn(2, 2, 6, 8, dtype=torch.float64)
+    call = AttentionCall(enc, pos, pos, 0, True, x=x)
     unchanged = {"embed": lambda: torch.equal(enc.embed(x, pos, ids), x),
                  "qk": lambda: all(map(torch.equal, enc.qk(q, k, pos, pos, 0), (q, k))),
                  "bias": lambda: enc.bias(pos, pos, 0) is None,
                  "key_term": lambda: enc.key_term(q, k, pos, pos, 0) is None,
                  "prob": lambda: torch.equal(enc.prob(p, pos, pos, 0), p),
-                 "value_term": lambda: enc.value_term(p, pos, pos, 0) is None}
+                 "value_term": lambda: enc.value_term(p, pos, pos, 0) is None,
+                 "query_scale": lambda: enc.query_scale(call) is None,
+                 "decay": lambda: enc.decay(call) is None,
+                 "logit_transform": lambda: torch.equal(enc.logit_transform(logits, q, k, call), logits),
+                 "normalize": lambda: torch.equal(enc.normalize(logits, v, call)[0], logits.softmax(-1))
+                 and enc.normalize(logits, v, call)[1] is None}
     assert set(unchanged) == set(HOOKS)
     assert [hook for hook in HOOKS if hook not in enc.hooks and not unchanged[hook]()] == []
 

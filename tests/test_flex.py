@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from posbench.attention import BACKENDS, EagerBackend, get_backend
+from posbench.attention import BACKENDS, AttentionCall, EagerBackend, FlexBackend, get_backend, query_key_hooks
 from posbench.encodings import REGISTRY
 from posbench.encodings.base import Encoding, relative_distance
-from posbench.flex import FlexBackend, causal_block_mask
+from posbench.attention.flex import causal_block_mask
 from posbench.model import ModelConfig, Transformer
 from tests.helpers import make_encoding
 
@@ -28,7 +28,16 @@ CASES = [(name, {}) for name in BIAS] + [
     ("fire", {"share_layers": True}),
     ("composite", {"parts": ["alibi", "kerple", "sandwich"]}),
 ]
-FLEX_CASES = [(name, params) for name, params in CASES if name in RUNNABLE]
+FLEX_CASES = [(name, params) for name, params in CASES if name in RUNNABLE] + [
+    ("alibi", {}),  # a decay when causal, a bias when not
+]
+
+
+def attend(backend, q, k, v, *call_fields):
+    """What the layer hands a backend: the call, after the hooks before the logits (alibi's causal decay)."""
+    call = AttentionCall(*call_fields)
+    q, k = query_key_hooks(q, k, call)
+    return backend.attend(q, k, v, call)
 
 
 def case_id(case):
@@ -87,8 +96,8 @@ def test_attend_matches_eager(case, causal, lq, shared):
     k_pos = torch.arange(21)[None] + (3 if shared else torch.tensor([[0], [5]]))  # [B', 21]
     q_pos = k_pos[:, -lq:]  # [B', Lq]
     with torch.no_grad():
-        expected = EagerBackend().attend(q, k, v, enc, q_pos, k_pos, 1, causal)  # [2, 4, Lq, 8]
-        got = FlexBackend(compiled=False).attend(q, k, v, enc, q_pos, k_pos, 1, causal)
+        expected = attend(EagerBackend(), q, k, v, enc, q_pos, k_pos, 1, causal)  # [2, 4, Lq, 8]
+        got = attend(FlexBackend(compiled=False), q, k, v, enc, q_pos, k_pos, 1, causal)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
@@ -99,8 +108,8 @@ def test_attend_over_several_blocks_matches_eager():
     q, k, v = torch.randn(1, 4, 200, 8, generator=gen), *torch.randn(2, 1, 4, 333, 8, generator=gen)
     pos = torch.arange(333)[None]
     with torch.no_grad():
-        expected = EagerBackend().attend(q, k, v, enc, pos[:, -200:], pos, 0, True)
-        got = FlexBackend(compiled=False).attend(q, k, v, enc, pos[:, -200:], pos, 0, True)
+        expected = attend(EagerBackend(), q, k, v, enc, pos[:, -200:], pos, 0, True)
+        got = attend(FlexBackend(compiled=False), q, k, v, enc, pos[:, -200:], pos, 0, True)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
@@ -162,8 +171,8 @@ def test_compiled_flex_matches_eager():
     pos = torch.arange(40)[None]
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # inductor's C++ compiler warnings
-        got = get_backend("flex").attend(q, k, v, enc, pos[:, -24:], pos, 0, True)
-    expected = EagerBackend().attend(q, k, v, enc, pos[:, -24:], pos, 0, True)
+        got = attend(get_backend("flex"), q, k, v, enc, pos[:, -24:], pos, 0, True)
+    expected = attend(EagerBackend(), q, k, v, enc, pos[:, -24:], pos, 0, True)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
@@ -178,7 +187,7 @@ class BiasWithoutScoreMod(Encoding):
 def test_bias_without_score_mod_is_refused():
     enc = BiasWithoutScoreMod(make_encoding("nope").dims)
     with pytest.raises(ValueError, match=r"encoding bias_without_score_mod: its bias has no FlexAttention "
-                                         r"score_mod.*backends that can: \['eager', 'sdpa'\]"):
+                                         r"score_mod.*backends that can: \['sdpa', 'eager'\]"):
         get_backend("flex").check(enc)
     get_backend("sdpa").check(enc)
 

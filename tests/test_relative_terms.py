@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from posbench.attention import EagerBackend, get_backend
+from posbench.attention import AttentionCall, EagerBackend, get_backend
 from tests.helpers import make_encoding
 
 NAMES = ["shaw", "transformer_xl", "tener", "deberta"]
@@ -127,7 +127,7 @@ def test_attention_matches_naive_reference_float64(case, causal, positions):
     q, k, v = (torch.randn(B, H, L, D_HEAD, generator=gen, dtype=torch.float64) for _ in range(3))
     pos = POSITIONS[positions]
     with torch.no_grad():
-        ours = EagerBackend().attend(q, k, v, enc, pos, pos, layer=1, causal=causal)
+        ours = EagerBackend().attend(q, k, v, AttentionCall(enc, pos, pos, layer=1, causal=causal))
         expected = reference(enc, q, k, v, pos, 1, causal)
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-12)
 
@@ -264,7 +264,7 @@ def test_transformer_xl_matches_transformers_xlnet(causal):
     set_(enc.position_bias, theirs.r_r_bias)  # v
     pos = torch.arange(length)[None] + 9
     with torch.no_grad():
-        ours = EagerBackend().attend(q, k, v, enc, pos, pos, layer=0, causal=causal)
+        ours = EagerBackend().attend(q, k, v, AttentionCall(enc, pos, pos, layer=0, causal=causal))
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
 
 
@@ -305,7 +305,7 @@ def test_deberta_matches_transformers_disentangled_attention(causal):
     set_(enc.query_proj[0].weight, theirs.pos_q_proj.weight)
     pos = torch.arange(length)[None] + 3
     with torch.no_grad():
-        ours = EagerBackend().attend(q, k, v, enc, pos, pos, layer=0, causal=causal)
+        ours = EagerBackend().attend(q, k, v, AttentionCall(enc, pos, pos, layer=0, causal=causal))
     torch.testing.assert_close(merge_heads(ours), expected, rtol=0, atol=1e-6)
 
 

@@ -7,8 +7,7 @@ The reference is the eager backend attending every query at once (the logits mat
 import pytest
 import torch
 
-from posbench import attention
-from posbench.attention import PositionContext, get_backend
+from posbench.attention import PositionContext, eager, fused_cpu, get_backend, layer
 from posbench.encodings import REGISTRY
 from posbench.model import ModelConfig, Transformer
 from tests.helpers import make_encoding, positions_for, trained_looking_model
@@ -31,7 +30,7 @@ def ids_for(batch: int = 2, length: int = LENGTH) -> torch.Tensor:
 @pytest.fixture
 def one_pass(monkeypatch):
     """Training attends every query at once (the reference)."""
-    monkeypatch.setattr(attention, "EAGER_TRAIN_BLOCK", 10**9)
+    monkeypatch.setattr(eager, "EAGER_TRAIN_BLOCK", 10**9)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -61,8 +60,8 @@ def test_chunked_evaluation_with_scattered_and_per_sequence_positions(name):
 
 
 def test_auto_chunk_splits_long_evaluations(monkeypatch):
-    monkeypatch.setattr(attention, "AUTO_CHUNK_ELEMENTS", 2 * 4 * LENGTH * 6)  # B x H x Lk x 6 queries (eager)
-    monkeypatch.setattr(attention, "MIN_AUTO_CHUNK", 1)
+    monkeypatch.setattr(layer, "AUTO_CHUNK_ELEMENTS", 2 * 4 * LENGTH * 6)  # B x H x Lk x 6 queries (eager)
+    monkeypatch.setattr(layer, "MIN_AUTO_CHUNK", 1)
     calls = []
     model = trained_looking_model("shaw", "eager").eval()
     original = model.blocks[0].attn.attend_block
@@ -86,11 +85,11 @@ def test_training_paths_give_the_reference_gradients(name, monkeypatch):
         (logits.sin().sum()).backward()
         return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    monkeypatch.setattr(attention, "EAGER_TRAIN_BLOCK", 10**9)
+    monkeypatch.setattr(eager, "EAGER_TRAIN_BLOCK", 10**9)
     expected, expected_grads = outputs_and_grads(trained_looking_model(name, "eager"))
     assert expected_grads
-    monkeypatch.setattr(attention, "EAGER_TRAIN_BLOCK", 5)
-    monkeypatch.setattr(attention, "GRAD_BLOCK", 4)
+    monkeypatch.setattr(eager, "EAGER_TRAIN_BLOCK", 5)
+    monkeypatch.setattr(fused_cpu, "GRAD_BLOCK", 4)
     for backend in backends_for(name):
         logits, grads = outputs_and_grads(trained_looking_model(name, backend))
         torch.testing.assert_close(logits, expected, rtol=0, atol=1e-10, msg=backend)
@@ -114,15 +113,15 @@ def test_bidirectional_fused_kernel_gives_the_reference_gradients(name):
 def test_sdpa_with_a_bias_runs_the_fused_kernel_on_cpu(monkeypatch):
     """Guard for the tests above: on CPU the sdpa backend's bias path is the fused kernel."""
     calls = []
-    original = attention.FusedBiasAttention.apply
-    monkeypatch.setattr(attention.FusedBiasAttention, "apply", lambda *a: calls.append(1) or original(*a))
+    original = fused_cpu.FusedBiasAttention.apply
+    monkeypatch.setattr(fused_cpu.FusedBiasAttention, "apply", lambda *a: calls.append(1) or original(*a))
     model = trained_looking_model("t5", "sdpa").train()
     model(ids_for(), torch.arange(LENGTH)[None]).sum().backward()
     assert len(calls) == 2  # one per layer
     assert model.encoding.table.weight.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("name", ["alibi", "t5", "kerple", "sandwich", "fire", "composite", "urpe"])
+@pytest.mark.parametrize("name", ["t5", "kerple", "sandwich", "fire", "composite", "urpe"])  # causal alibi: a decay
 def test_bias_built_once_per_forward_when_the_layers_share_it(name, monkeypatch):
     model = trained_looking_model(name, "eager").eval()
     calls = []
@@ -217,10 +216,10 @@ def test_bf16_autocast_through_the_fused_kernel_stays_close_to_fp32(name):
 
 
 def test_a_relative_bias_beside_a_rotation_and_a_content_term_keeps_its_offset_rows():
-    """rope + shaw + alibi is not shift-invariant (shaw reads rotated q), but its bias is alibi's:
+    """rope + shaw + t5 is not shift-invariant (shaw reads rotated q), but its bias is t5's:
     chunked evaluation takes it from per-offset rows and still equals one pass."""
     torch.manual_seed(0)
-    enc = make_encoding("composite", d_model=32, n_heads=4, max_positions=64, parts=["rope", "shaw", "alibi"])
+    enc = make_encoding("composite", d_model=32, n_heads=4, max_positions=64, parts=["rope", "shaw", "t5"])
     assert not enc.relative and enc.bias_relative
     for p in enc.parameters():
         torch.nn.init.normal_(p, std=0.3)

@@ -4,13 +4,13 @@ import math
 import pytest
 import torch
 
-from posbench.attention import EagerBackend
+from posbench.attention import AttentionCall, EagerBackend
 from posbench.encodings import REGISTRY
 from tests.helpers import make_encoding
 
 
 def attend(enc, q, k, v, pos, layer=0, causal=True):
-    return EagerBackend().attend(q, k, v, enc, pos, pos, layer, causal)  # [B, H, L, d]
+    return EagerBackend().attend(q, k, v, AttentionCall(enc, pos, pos, layer, causal))  # [B, H, L, d]
 
 
 def test_hand_computed_three_positions_one_head():

@@ -9,6 +9,7 @@ from posbench.encodings.composite import Composite
 from posbench.encodings.deberta import DeBERTa
 from posbench.encodings.fire import FIRE
 from posbench.encodings.floater import Floater
+from posbench.encodings.fox import FoX
 from posbench.encodings.hierarchical import Hierarchical
 from posbench.encodings.kerple import Kerple
 from posbench.encodings.learned import Learned
@@ -20,6 +21,7 @@ from posbench.encodings.sandwich import Sandwich
 from posbench.encodings.shaw import Shaw
 from posbench.encodings.sinusoidal import Sinusoidal
 from posbench.encodings.sinusoidal_2d import Sinusoidal2D
+from posbench.encodings.ssmax import SSMax
 from posbench.encodings.t5 import T5
 from posbench.encodings.t5_2d import T52D
 from posbench.encodings.transformer_xl import TENER, TransformerXL
@@ -33,7 +35,8 @@ REGISTRY: dict[str, type[Encoding]] = {cls.name: cls for cls in (NoPE, Sinusoida
                                                                Shaw, TransformerXL, TENER, DeBERTa, URPE,
                                                                Composite,
                                                                Sinusoidal2D, Learned2D, RoPE2D, RoPEMixed, T52D,
-                                                               ALiBi2D)}
+                                                               ALiBi2D,
+                                                               FoX, SSMax)}
 
 
 def get_encoding(name: str) -> type[Encoding]:

@@ -1,9 +1,13 @@
 """The Encoding base class: every positional encoding fills some of these hooks.
 
-Order inside one attention layer (applied by `posbench.attention`, nowhere else):
+Order inside one attention layer (declared in `posbench.hooks`, applied by `posbench.attention`):
 
-    embed (model input) -> qk -> logits = q.k^T * scale + bias + key_term
-    -> causal mask -> softmax -> prob -> p.V + value_term
+    embed (model input) -> qk -> query_scale -> logits = q.k^T * scale + decay + bias + key_term
+    -> logit_transform -> mask -> normalize (softmax by default) -> prob -> p.V + value_term
+
+The position-only hooks (embed, qk, bias, key_term, prob, value_term) take positions and the
+layer; the hooks that see content (query_scale, decay, logit_transform, normalize) take the call
+(`posbench.attention.context.AttentionCall`: the layer's input x, the positions, the mask).
 
 Positions are always passed in explicitly, shaped [B', L] with B' either 1 (shared
 by the batch) or B (one row per sequence), so that randomized positions, offsets
@@ -19,9 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from posbench.hooks import HOOKS
 from posbench.positions import raster
-
-HOOKS = ("embed", "qk", "bias", "key_term", "value_term", "prob")
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ class Encoding(nn.Module):
         super().__init__()
         unknown = set(self.hooks) - set(HOOKS)
         if unknown:
-            raise TypeError(f"{type(self).__name__} declares unknown hooks {sorted(unknown)}; valid: {HOOKS}")
+            raise TypeError(f"{type(self).__name__} declares unknown hooks {sorted(unknown)}; valid: {list(HOOKS)}")
         self.dims = dims
 
     @property
@@ -103,6 +106,25 @@ class Encoding(nn.Module):
            layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [B, H, Lq, d], k: [B, H, Lk, d] at q_pos [B', Lq(, 2)], k_pos [B', Lk(, 2)] -> the same shapes."""
         return q, k
+
+    def query_scale(self, call) -> torch.Tensor | None:
+        """-> [B|1, H|1, Lq, 1], multiplying q after qk (call.keys_seen(): the keys each query attends)."""
+        return None
+
+    def decay(self, call) -> torch.Tensor | None:
+        """-> levels c at the keys [B|1, H, Lk] (queries: the last Lq); the logits get c_i - c_j. call.x:
+        the layer's input at the keys [B, Lk, D]. Levels may be float64 (a long cumulative sum)."""
+        return None
+
+    def logit_transform(self, logits: torch.Tensor, q: torch.Tensor, k: torch.Tensor, call) -> torch.Tensor:
+        """logits [B, H, Lq, Lk] (scaled, with decay, bias and key_term; finite, before the mask; call
+        .visible() is the mask), q [B, H, Lq, d] and k [B, H, Lk, d] as the logits saw them -> [B, H, Lq, Lk]."""
+        return logits
+
+    def normalize(self, logits: torch.Tensor, v: torch.Tensor, call) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replaces softmax: masked logits [B, H, Lq, Lk] (-inf where unseen), v [B, H, Lk, d] -> weights
+        [B, H, Lq, Lk] and a term [B, H, Lq, d] added to weights.V (or None)."""
+        return logits.softmax(dim=-1), None
 
     def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor, layer: int) -> torch.Tensor | None:
         """-> [B', H, Lq, Lk], added to the scaled logits."""

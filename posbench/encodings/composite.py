@@ -5,8 +5,8 @@ Parts are registry names built with the composite's ModelDims, each with optiona
 parameters: `parts=[rope, t5]`, `part_params={t5: {num_buckets: 16}}`. A name appears at
 most once (its parameters are keyed by name), and a composite cannot be a part.
 
-How the parts' hooks combine, in the fixed order of posbench.attention (the parts' order
-is the order of `parts`):
+How the parts' hooks combine, in the fixed order of posbench.hooks (the parts' order
+is the order of `parts`; the table's `combine` column):
   embed        one part: its own. Several: `embed_rule=error` (default) refuses them;
                `embed_rule=sum` adds each part's position vector to the token embedding,
                x + p_1 + p_2 + ... (each part's embed applied in turn). A part that
@@ -14,8 +14,12 @@ is the order of `parts`):
                `replaces_token_embedding`) cannot be summed and is refused.
   qk           at most one part may own it: two rotations (rope + xpos) do not commute in
                general, so their product would depend on the order; refused.
+  query_scale  multiplied (ssmax beside rope: the query rotated, then scaled).
+  decay        the levels summed (alibi beside fox: c = c_alibi + c_fox).
   bias         summed.
   key_term     summed.
+  logit_transform  applied in sequence.
+  normalize    at most one part may own it (it replaces softmax); refused.
   value_term   summed.
   prob         applied in sequence, each part's modulation multiplying the previous output.
   logit_scale  the default 1/sqrt(d) unless a part overrides it (tener 1, deberta
@@ -44,6 +48,7 @@ import inspect
 from torch import nn
 
 from posbench.encodings.base import Encoding, ModelDims, check_choice
+from posbench.hooks import HOOKS
 
 EMBED_RULES = ("error", "sum")
 DEFAULT_PARTS = ("rope", "t5")
@@ -90,6 +95,11 @@ class Composite(Encoding):
             raise ValueError(f"composite: parts {[part.name for part in rotators]} all transform q and k (qk hook); "
                              "at most one part may own it, since two position-dependent transforms do not "
                              "commute in general; keep one of them")
+        for hook in (name for name, spec in HOOKS.items() if spec.combine == "one" and name != "qk"):
+            owners = self.parts_with(hook)
+            if len(owners) > 1:
+                raise ValueError(f"composite: parts {[part.name for part in owners]} all have a {hook} hook "
+                                 f"({HOOKS[hook].what}); at most one part may own it; keep one of them")
 
     @property
     def bias_relative(self) -> bool:
@@ -141,6 +151,26 @@ class Composite(Encoding):
         for part in self.parts_with("qk"):  # at most one (checked at construction)
             q, k = part.qk(q, k, q_pos, k_pos, layer)
         return q, k
+
+    def query_scale(self, call):
+        scale = None
+        for part in self.parts_with("query_scale"):
+            factor = part.query_scale(call)  # [B|1, H|1, Lq, 1]
+            scale = factor if scale is None else scale * factor
+        return scale
+
+    def decay(self, call):
+        return sum_terms(part.decay(call) for part in self.parts_with("decay"))  # [B|1, H, Lk]
+
+    def logit_transform(self, logits, q, k, call):
+        for part in self.parts_with("logit_transform"):
+            logits = part.logit_transform(logits, q, k, call)  # [B, H, Lq, Lk]
+        return logits
+
+    def normalize(self, logits, v, call):
+        for part in self.parts_with("normalize"):  # at most one (checked at construction)
+            return part.normalize(logits, v, call)
+        return super().normalize(logits, v, call)
 
     def bias(self, q_pos, k_pos, layer):
         return sum_terms(part.bias(q_pos, k_pos, layer) for part in self.parts_with("bias"))  # [B', H, Lq, Lk]

@@ -55,7 +55,7 @@ class XPos(Encoding):
     def params(self) -> dict:
         return {"base": self.base, "layout": self.layout, "gamma": self.gamma, "scale_base": self.scale_base}
 
-    def decay(self, pos: torch.Tensor, centre_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def scaling(self, pos: torch.Tensor, centre_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """zeta_m^((k - c)/B) laid out like the features: [B', L], [B', 1] -> [B', 1, L, d]."""
         compute = torch.promote_types(dtype, torch.float32)
         power = (pos - centre_pos).to(compute) / self.scale_base  # [B', L]
@@ -66,6 +66,6 @@ class XPos(Encoding):
 
     def qk(self, q, k, q_pos, k_pos, layer):
         centre_pos = centre(q_pos, k_pos)  # [B', 1]
-        q = rotate(q, q_pos, self.inv_freq, self.layout) * self.decay(q_pos, centre_pos, q.dtype)
-        k = rotate(k, k_pos, self.inv_freq, self.layout) / self.decay(k_pos, centre_pos, k.dtype)
+        q = rotate(q, q_pos, self.inv_freq, self.layout) * self.scaling(q_pos, centre_pos, q.dtype)
+        k = rotate(k, k_pos, self.inv_freq, self.layout) / self.scaling(k_pos, centre_pos, k.dtype)
         return q, k

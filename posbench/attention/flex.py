@@ -1,6 +1,7 @@
-"""The flex backend: FlexAttention with the encoding's bias as a `score_mod` (Encoding.score_mod) and
-the causal mask as a block mask, so that no [Lq, Lk] tensor is built and blocks above the diagonal
-are skipped. Runs the `qk` and `bias` hooks; an encoding whose bias has no score_mod is refused.
+"""The flex backend: FlexAttention with the encoding's bias as a `score_mod` (Encoding.score_mod), a decay
+c_i - c_j read from its levels per score, and the causal mask as a block mask, so that no [Lq, Lk]
+tensor is built and blocks above the diagonal are skipped. Runs `qk`, `query_scale`, `decay` and
+`bias`; an encoding whose bias has no score_mod is refused.
 
 FlexAttention is fast only through torch.compile: the compiled function is built once per process
 (`compiled_flex_attention`); on CPU the first call of each new shape compiles for 5-15 s (the runner
@@ -15,8 +16,9 @@ import functools
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from posbench.attention import BACKENDS, Backend
+from posbench.attention.backend import Backend, backend_hooks
 from posbench.encodings.base import Encoding
+from posbench.hooks import backends_for
 
 BLOCK = 128  # queries and keys per block of the block mask (FlexAttention's default)
 CPU_TRAINING = ("backend=flex trains on CUDA only; on CPU it evaluates (forward only); "
@@ -64,7 +66,7 @@ def tensor_device(encoding: Encoding) -> torch.device:
 
 class FlexBackend(Backend):
     name = "flex"
-    supported_hooks = frozenset({"qk", "bias"})
+    supported_hooks = backend_hooks(name)
     takes_bias = False  # the bias enters as a score_mod, never as a tensor
 
     def __init__(self, compiled: bool = True):
@@ -76,20 +78,35 @@ class FlexBackend(Backend):
             return
         pos = torch.zeros(1, 1, dtype=torch.long, device=tensor_device(encoding))  # [1, 1]: one query, one key
         if encoding.score_mod(pos, pos, 0) is None:
-            hooks = set(encoding.hooks) - {"embed"}
-            valid = [b for b, cls in BACKENDS.items() if b != self.name and hooks <= cls.supported_hooks]
+            valid = [b for b in backends_for(set(encoding.hooks) - {"embed"}) if b != self.name]
             raise ValueError(f"backend=flex cannot run encoding {encoding.name}: its bias has no FlexAttention "
                              f"score_mod (Encoding.score_mod); use backend={valid[0]} (backends that can: {valid})")
 
-    def attend(self, q, k, v, encoding, q_pos, k_pos, layer, causal, bias=None):
-        """As Backend.attend; a `bias` built by the caller is not used: the score_mod computes it per score."""
+    def attend(self, q, k, v, call):
+        """As Backend.attend; a bias built by the caller is not used: the score_mod computes it per score."""
         if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             raise ValueError(CPU_TRAINING)
-        score_mod = encoding.score_mod(q_pos, k_pos, layer) if "bias" in encoding.hooks else None
+        encoding = call.encoding
+        score_mod = encoding.score_mod(call.q_pos, call.k_pos, call.layer) if "bias" in encoding.hooks else None
+        if call.k_levels is not None:
+            score_mod = decay_score_mod(call, score_mod, torch.promote_types(q.dtype, torch.float32))
+        causal = call.causal and not call.mask_in_bias
         block_mask = causal_block_mask(q.shape[-2], k.shape[-2], q.device) if causal else None
         attend = compiled_flex_attention(q.is_cuda) if self.compiled else flex_attention
         return attend(q, k, v, score_mod=score_mod, block_mask=block_mask,
                       scale=encoding.logit_scale(q.shape[-1]))  # [B, H, Lq, d]
 
 
-BACKENDS[FlexBackend.name] = FlexBackend  # here, not in attention.py: this module imports that one
+def decay_score_mod(call, inner, dtype: torch.dtype):
+    """score (+ inner's bias) + c_i - c_j, with the levels relative to the first query's."""
+    ref = call.q_levels[..., :1]  # [B|1, H, 1]
+    at_q, at_k = (call.q_levels - ref).to(dtype), (call.k_levels - ref).to(dtype)  # [B|1, H, Lq], [B|1, H, Lk]
+    q_row = (lambda b: at_q[0]) if at_q.shape[0] == 1 else (lambda b: at_q[b])
+    k_row = (lambda b: at_k[0]) if at_k.shape[0] == 1 else (lambda b: at_k[b])
+
+    def decay(score, b, h, q_idx, kv_idx):
+        if inner is not None:
+            score = inner(score, b, h, q_idx, kv_idx)
+        return score + (q_row(b)[h, q_idx] - k_row(b)[h, kv_idx]).to(score.dtype)
+
+    return decay

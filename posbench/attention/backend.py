@@ -1,0 +1,43 @@
+"""The backend interface: a backend runs one attention call (`AttentionCall`) with the hooks the hook
+table (`posbench.hooks`) says it runs, and refuses an encoding that needs others, naming the
+backends that can."""
+from __future__ import annotations
+
+import torch
+
+from posbench.attention.context import AttentionCall
+from posbench.encodings.base import Encoding
+from posbench.hooks import backend_hooks, backends_for
+
+
+class Backend:
+    name = ""
+    supported_hooks: frozenset[str] = frozenset()  # from the hook table: backend_hooks(name)
+    takes_bias = True  # the caller builds the bias tensor (flex builds its own score_mod instead)
+    train_block: int | None = None  # queries per block of a causal layer with logits in training (None: one call)
+    per_sequence_logits = False  # a block holds [B, H, b, Lk] logits (not a [1, H, b, Lk] bias): sizes chunks
+
+    def check(self, encoding: Encoding) -> None:
+        missing = set(encoding.hooks) - {"embed"} - self.supported_hooks
+        if missing:
+            valid = backends_for(set(encoding.hooks) - {"embed"})
+            raise ValueError(f"backend={self.name} cannot run the {sorted(missing)} hook(s) that encoding "
+                             f"{encoding.name} needs; use backend={valid[0]} (backends that can: {valid})")
+
+    def bakes_mask(self, q: torch.Tensor) -> bool:
+        """A causal block's -inf goes into its bias (True), or the backend masks the block itself."""
+        return False
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        """q: [B, H, Lq, d], k, v: [B, H, Lk, d] -> [B, H, Lq, d]."""
+        raise NotImplementedError
+
+
+def call_bias(call: AttentionCall) -> torch.Tensor | None:
+    """The call's bias [B', H, Lq, Lk]: the one the caller built, else the encoding's, else None."""
+    if call.bias is None and "bias" in call.encoding.hooks:
+        return call.encoding.bias(call.q_pos, call.k_pos, call.layer)
+    return call.bias
+
+
+__all__ = ["Backend", "backend_hooks", "call_bias"]

@@ -1,0 +1,119 @@
+"""What the attention hooks and backends see: the positions of one forward pass (`PositionContext`,
+which builds a bias shared by the layers once) and one attention call (`AttentionCall`: the
+encoding, the positions of its queries and keys, the layer, the mask, the layer's input and the
+decay levels), with the block of queries a chunked call covers."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from posbench.encodings.base import Encoding
+
+
+def causal_mask(lq: int, lk: int, device) -> torch.Tensor:
+    """True where key j may be seen by query i (j <= i, queries aligned to the last keys): [Lq, Lk]."""
+    return torch.ones(lq, lk, dtype=torch.bool, device=device).tril(diagonal=lk - lq)
+
+
+
+@dataclass
+class AttentionCall:
+    """One call of attention: queries at q_pos [B', Lq], the last Lq of the keys at k_pos [B', Lk]
+    when causal (a memory, then the queries). Content hooks read it; backends run it."""
+
+    encoding: Encoding
+    q_pos: torch.Tensor  # [B', Lq] ([B', Lq, 2] on grids for 2-D encodings)
+    k_pos: torch.Tensor  # [B', Lk]
+    layer: int
+    causal: bool
+    bias: torch.Tensor | None = None  # [B', H, Lq, Lk] when the caller built it; else the backend builds it
+    mask_in_bias: bool = False  # the bias holds -inf where a causal query may not look
+    x: torch.Tensor | None = None  # the layer's input at the keys [B, Lk, D] (what q, k and v were projected from)
+    q_levels: torch.Tensor | None = None  # decay levels c at the queries [B|1, H, Lq]: bias c_i - c_j
+    k_levels: torch.Tensor | None = None  # decay levels c at the keys [B|1, H, Lk]
+
+    def visible(self) -> torch.Tensor | None:
+        """True where query i may see key j: [Lq, Lk]; None when every key is visible."""
+        if not self.causal:
+            return None
+        return causal_mask(self.q_pos.shape[1], self.k_pos.shape[1], self.q_pos.device)
+
+    def keys_seen(self) -> torch.Tensor:
+        """How many keys each query attends: [Lq] (causal: its index among the keys + 1)."""
+        lq, lk = self.q_pos.shape[1], self.k_pos.shape[1]
+        if not self.causal:
+            return torch.full((lq,), lk, device=self.q_pos.device)  # [Lq]
+        return torch.arange(lk - lq + 1, lk + 1, device=self.q_pos.device)  # [Lq]
+
+    def block(self, start: int, stop: int, end: int, bias: torch.Tensor | None, mask_in_bias: bool) -> AttentionCall:
+        """Queries start:stop against keys :end, with the block's bias."""
+        def cut(t, keys=slice(None, end)):
+            return None if t is None else t[..., keys]
+
+        return dataclasses.replace(
+            self, q_pos=self.q_pos[:, start:stop], k_pos=self.k_pos[:, :end], bias=bias, mask_in_bias=mask_in_bias,
+            x=None if self.x is None else self.x[:, :end], q_levels=cut(self.q_levels, slice(start, stop)),
+            k_levels=cut(self.k_levels))
+
+
+class PositionContext:
+    """The positions of one forward pass and what its layers share: queries at q_pos [B', Lq],
+    keys at k_pos [B', Lk] (a memory, then the queries), and each bias built once."""
+
+    def __init__(self, encoding: Encoding, q_pos: torch.Tensor, k_pos: torch.Tensor | None = None):
+        self.encoding, self.q_pos = encoding, q_pos
+        self.k_pos = q_pos if k_pos is None else k_pos
+        self.has_bias = "bias" in encoding.hooks
+        self.full: dict[int, torch.Tensor] = {}
+        self.rows: dict[int, torch.Tensor | None] = {}
+
+    def layer_key(self, layer: int) -> int:
+        return 0 if self.encoding.bias_layers_shared else layer
+
+    def bias(self, layer: int) -> torch.Tensor | None:
+        """The layer's whole bias [B', H, Lq, Lk], built once when every layer shares it."""
+        if not self.has_bias:
+            return None
+        key = self.layer_key(layer)
+        if key not in self.full:
+            self.full[key] = self.encoding.bias(self.q_pos, self.k_pos, layer)
+        return self.full[key]
+
+    def block_bias(self, layer: int, start: int, stop: int, end: int, causal: bool = False) -> torch.Tensor | None:
+        """The bias of queries start:stop against keys :end, [B', H, stop - start, end], without
+        building the whole (with -inf where a causal query may not look, queries aligned to the
+        last keys): taken from per-offset rows when the encoding's bias is relative and the positions
+        contiguous, else built for the block. In evaluation: one tensor per block, no copies."""
+        if not self.has_bias:
+            return None
+        above = ~causal_mask(stop - start, end, self.q_pos.device) if causal else None  # [b, end]
+        rows = self.offset_rows(layer)
+        if rows is None:
+            bias = self.encoding.bias(self.q_pos[:, start:stop], self.k_pos[:, :end], layer)  # [B', H, b, end]
+            return bias if above is None else bias.masked_fill(above, float("-inf"))
+        # reversed rows r[u] = f(Lk - 1 - u): query i (key index) and key j read u = Lk - 1 - i + j, so
+        # the block's queries taken last to first form a strided view; flipping it back copies it once
+        last_query = stop + self.k_pos.shape[1] - self.q_pos.shape[1]  # one past the block, in key indices
+        view = rows.as_strided((1, rows.shape[1], stop - start, end), (rows.stride(0), rows.stride(1), 1, 1),
+                               rows.storage_offset() + self.k_pos.shape[1] - last_query)  # [1, H, b, end]
+        bias = view.flip(-2)  # [1, H, b, end], its own memory
+        return bias if above is None else bias.masked_fill_(above, float("-inf"))
+
+    def offset_rows(self, layer: int) -> torch.Tensor | None:
+        """f(i - j) for i - j from Lk - 1 down to -(Lk - 1) as [1, H, 2 Lk - 1] (reversed), for a
+        relative bias over contiguous positions shared by the batch, the queries the last keys;
+        None otherwise."""
+        key = self.layer_key(layer)
+        if key not in self.rows:
+            self.rows[key] = None
+            k_pos = self.k_pos
+            queries_last = torch.equal(self.q_pos, k_pos[:, k_pos.shape[1] - self.q_pos.shape[1]:])
+            if self.encoding.bias_relative and k_pos.dim() == 2 and k_pos.shape[0] == 1 and queries_last \
+                    and bool((k_pos[0, 1:] - k_pos[0, :-1] == 1).all()):
+                last, first = k_pos[:, -1:], k_pos[:, :1]
+                after = self.encoding.bias(first, k_pos, layer)[:, :, 0].flip(-1)  # i - j = -(Lk-1)..0
+                before = self.encoding.bias(last, k_pos, layer)[:, :, 0].flip(-1)  # i - j = 0..Lk-1
+                self.rows[key] = torch.cat([after, before[..., 1:]], dim=-1).flip(-1).contiguous()  # [1, H, 2 Lk - 1]
+        return self.rows[key]

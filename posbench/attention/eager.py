@@ -1,0 +1,44 @@
+"""The eager backend: the logits materialised, every hook in the table's order. The reference."""
+from __future__ import annotations
+
+from posbench.attention.backend import Backend, backend_hooks, call_bias
+
+EAGER_TRAIN_BLOCK = 128  # queries per block of a causal eager layer in training
+
+
+class EagerBackend(Backend):
+    name = "eager"
+    supported_hooks = backend_hooks(name)
+    per_sequence_logits = True
+
+    @property
+    def train_block(self) -> int:
+        return EAGER_TRAIN_BLOCK
+
+    def attend(self, q, k, v, call):
+        enc, hooks = call.encoding, call.encoding.hooks
+        logits = (q @ k.transpose(-2, -1)) * enc.logit_scale(q.shape[-1])  # [B, H, Lq, Lk]
+        if call.k_levels is not None:  # c_i - c_j
+            logits = logits + (call.q_levels[..., :, None] - call.k_levels[..., None, :]).to(logits.dtype)
+        bias = call_bias(call)
+        if bias is not None:
+            logits = logits + bias.to(logits.dtype)  # [B', H, Lq, Lk] broadcast
+        term = enc.key_term(q, k, call.q_pos, call.k_pos, call.layer)
+        if term is not None:
+            logits = logits + term
+        if "logit_transform" in hooks:
+            logits = enc.logit_transform(logits, q, k, call)  # [B, H, Lq, Lk]
+        visible = call.visible()
+        if visible is not None:
+            logits = logits.masked_fill(~visible, float("-inf"))
+        extra = None
+        if "normalize" in hooks:
+            p, extra = enc.normalize(logits, v, call)  # [B, H, Lq, Lk], [B, H, Lq, d] or None
+        else:
+            p = logits.softmax(dim=-1)  # [B, H, Lq, Lk]
+        p = enc.prob(p, call.q_pos, call.k_pos, call.layer)
+        out = p @ v  # [B, H, Lq, d]
+        for term in (enc.value_term(p, call.q_pos, call.k_pos, call.layer), extra):
+            if term is not None:
+                out = out + term
+        return out

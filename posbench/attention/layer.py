@@ -1,0 +1,113 @@
+"""One attention layer: it projects q, k and v, applies the encoding's hooks in the table's order
+(posbench.hooks) and hands each call to its backend.
+
+Length costs no `L x L` memory beyond one block of queries where it matters:
+- a bias that is the same in every layer (`Encoding.bias_layers_shared`) is built once per
+  forward (`PositionContext`);
+- a causal layer whose backend holds logits (eager) attends in query blocks in training, each
+  to its key prefix;
+- in evaluation (`Attention.eval_chunk` queries, set by the runner) every layer with a hook that
+  needs logits attends one chunk of queries at a time; the bias of a relative encoding over
+  contiguous positions is one strided copy of a row of per-offset values, and on the fused CPU
+  kernel a chunk's prefix and its causal square are two calls merged by their log-sum-exps;
+- a decay alone needs no logits: evaluation takes DECAY_CHUNK queries at a time so that the
+  levels, relative to each chunk's first query, stay small in float32 at any length.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from posbench.attention.backend import Backend
+from posbench.attention.context import AttentionCall, PositionContext
+from posbench.encodings.base import Encoding
+from posbench.hooks import needs_logits
+
+AUTO_CHUNK_ELEMENTS = 2**24  # eval.chunk=auto: a chunk's biggest [B|1, H, chunk, Lk] tensor holds at most this
+MIN_AUTO_CHUNK = 16
+DECAY_CHUNK = 1024  # queries per chunk in evaluation for a decay without logits
+
+
+def query_key_hooks(q: torch.Tensor, k: torch.Tensor, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hooks before the logits, for every query at once: qk, query_scale, and decay (its levels
+    go into the call). q: [B, H, Lq, d], k: [B, H, Lk, d] -> the same shapes."""
+    encoding, hooks = call.encoding, call.encoding.hooks
+    if "qk" in hooks:
+        q, k = encoding.qk(q, k, call.q_pos, call.k_pos, call.layer)
+    if "query_scale" in hooks:
+        q = q * encoding.query_scale(call)  # [B, H, Lq, d] times [B|1, H|1, Lq, 1]
+    if "decay" in hooks:
+        levels = encoding.decay(call)  # [B|1, H, Lk]
+        call.q_levels, call.k_levels = levels[..., levels.shape[-1] - q.shape[-2]:], levels
+    return q, k
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention that receives its positional encoding and backend."""
+
+    def __init__(self, d_model: int, n_heads: int, layer: int, encoding: Encoding, backend: Backend,
+                 causal: bool):
+        super().__init__()
+        self.n_heads, self.layer, self.causal = n_heads, layer, causal
+        self.backend = backend
+        self.encoding = [encoding]  # a list: shared with the model, registered there once
+        self.eval_chunk: int | str | None = None  # queries per chunk in evaluation: a number, "auto" or None (all)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.out = nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: PositionContext, memory: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, L, D] at positions.q_pos [B', L]. Keys and values come from x, or from `memory`
+        [B, Lk, D] at positions.k_pos [B', Lk] when given (a memory followed by x, queries
+        aligned to its end)."""
+        b, length, d_model = x.shape
+        encoding = self.encoding[0]
+        if memory is None:
+            q, k, v = self.qkv(x).view(b, length, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4)  # 3 x [B, H, L, d]
+        else:
+            w_q, w_kv = self.qkv.weight.split([d_model, 2 * d_model])
+            q = F.linear(x, w_q).view(b, length, self.n_heads, -1).transpose(1, 2)  # [B, H, L, d]
+            k, v = F.linear(memory, w_kv).view(b, memory.shape[1], 2, self.n_heads, -1).permute(2, 0, 3, 1, 4)
+        call = AttentionCall(encoding, positions.q_pos, positions.k_pos, self.layer, self.causal,
+                             x=x if memory is None else memory)
+        q, k = query_key_hooks(q, k, call)
+        block = self.query_block(encoding, b, length, k.shape[-2])
+        if block is None:
+            call.bias = positions.bias(self.layer) if self.backend.takes_bias else None
+            y = self.backend.attend(q, k, v, call)  # [B, H, L, d]
+        else:
+            y = torch.cat([self.attend_block(q, k, v, call, positions, start, min(length, start + block))
+                           for start in range(0, length, block)], dim=2)  # [B, H, L, d]
+        return self.out(y.transpose(1, 2).reshape(b, length, d_model))  # [B, L, D]
+
+    def query_block(self, encoding: Encoding, batch: int, length: int, keys: int) -> int | None:
+        """Queries per block, or None for one call over all of them."""
+        logits = needs_logits(encoding.hooks)
+        if not self.backend.takes_bias or not (logits or "decay" in encoding.hooks):
+            return None  # fused kernels (a backend that builds its own bias: block masks) bound their own memory
+        if not self.training:
+            chunk = self.eval_chunk
+            if not logits:
+                chunk = DECAY_CHUNK
+            elif chunk == "auto":  # the logits (eager) or the bias (sdpa) of one chunk within the budget
+                rows = (batch if self.backend.per_sequence_logits else 1) * self.n_heads * keys
+                chunk = max(MIN_AUTO_CHUNK, AUTO_CHUNK_ELEMENTS // rows)
+            return chunk if chunk and length > chunk else None
+        block = self.backend.train_block
+        if logits and block and self.causal and length > block:
+            return block
+        return None
+
+    def attend_block(self, q, k, v, call: AttentionCall, positions: PositionContext, start: int,
+                     stop: int) -> torch.Tensor:
+        """Queries start:stop against the keys they may see: their prefix when causal."""
+        end = stop + k.shape[-2] - q.shape[-2] if self.causal else k.shape[-2]
+        bake = False
+        if self.training:
+            full = positions.bias(self.layer)
+            bias = None if full is None else full[:, :, start:stop, :end]
+        else:
+            bake = self.causal and self.backend.bakes_mask(q)
+            bias = positions.block_bias(self.layer, start, stop, end, bake)
+        block = call.block(start, stop, end, bias, mask_in_bias=bake and bias is not None)
+        return self.backend.attend(q[:, :, start:stop], k[:, :, :end], v[:, :, :end], block)  # [B, H, stop - start, d]

@@ -1,0 +1,59 @@
+"""The sdpa backend: PyTorch's scaled_dot_product_attention. Runs `qk`, `query_scale`, `decay` and `bias`.
+
+- No bias: the fused kernel with `is_causal`, no mask.
+- A decay (c_i - c_j, rank one in causal layout): one more column on q (ones), k ((c_ref - c_j) / scale)
+  and v (zeros, dropped from the output), so it rides the same mask-free kernel; c_ref, the level of
+  the call's first query, keeps the column small, and softmax ignores the per-query constant it adds.
+- A bias on CPU: the fused flash kernel with the causal flag and the bias as its mask (posbench.attention
+  .fused_cpu); elsewhere a 4-D float mask (a 3-D one would leave the fused kernels).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from posbench.attention.backend import Backend, backend_hooks, call_bias
+from posbench.attention.context import AttentionCall, causal_mask
+from posbench.attention.fused_cpu import FusedBiasAttention, fused_causal_block, fused_cpu_ok
+
+
+def with_decay_column(q, k, v, call: AttentionCall, scale: float):
+    """q, k, v [B, H, L, d] -> [B, H, L, d + 1] whose scaled q.k carries c_ref - c_j: softmax as with c_i - c_j."""
+    ref = call.q_levels[..., :1]  # [B|1, H, 1]: the level of the first query
+    column = ((ref - call.k_levels) / scale).to(k.dtype)[..., None]  # [B|1, H, Lk, 1]
+    q = torch.cat([q, torch.ones_like(q[..., :1])], dim=-1)  # [B, H, Lq, d + 1]
+    k = torch.cat([k, column.expand(k.shape[0], -1, -1, -1)], dim=-1)  # [B, H, Lk, d + 1]
+    v = torch.cat([v, torch.zeros_like(v[..., :1])], dim=-1)  # [B, H, Lk, d + 1]
+    return q, k, v
+
+
+class SdpaBackend(Backend):
+    name = "sdpa"
+    supported_hooks = backend_hooks(name)
+
+    def bakes_mask(self, q):
+        return not fused_cpu_ok(q)  # the fused CPU kernel masks with its causal flag
+
+    def attend(self, q, k, v, call):
+        head = q.shape[-1]
+        scale = call.encoding.logit_scale(head)
+        if call.k_levels is not None:
+            q, k, v = with_decay_column(q, k, v, call, scale)
+        out = self.attend_columns(q, k, v, call_bias(call), call.causal and not call.mask_in_bias, scale)
+        return out[..., :head]  # [B, H, Lq, d]
+
+    @staticmethod
+    def attend_columns(q, k, v, bias, causal: bool, scale: float) -> torch.Tensor:
+        square = q.shape[-2] == k.shape[-2]
+        if bias is None and (not causal or square):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)  # [B, H, L, d]
+        if bias is not None and (square or not causal) and fused_cpu_ok(q, bias):
+            return FusedBiasAttention.apply(q, k, v, bias, causal, scale)  # [B, H, L, d]
+        if causal and not torch.is_grad_enabled() and fused_cpu_ok(q, bias):
+            return fused_causal_block(q, k, v, bias, scale)  # [B, H, Lq, d]
+        if bias is None:  # queries after a memory: is_causal would align them to the first keys
+            bias = torch.zeros(1, 1, q.shape[-2], k.shape[-2], dtype=q.dtype, device=q.device)  # [1, 1, Lq, Lk]
+        mask = bias.to(q.dtype)  # [B', H, Lq, Lk]: 4-D keeps the fused kernel
+        if causal:
+            mask = mask.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, H, L, d]

@@ -1,0 +1,68 @@
+"""Forgetting Transformer, FoX (Lin et al. ICLR 2025, arXiv 2503.02130): a data-dependent forget gate
+per head and token, f_t = sigmoid(w_f . x_t + b_f), from the layer's input x. With
+c_i = sum_{l <= i} log f_l (in float64 here; float32 in the paper), the logits get
+
+    D_ij = c_i - c_j = sum_{l = j+1..i} log f_l      (D_ii = 0, j <= i)
+
+a `decay`: rank one in causal layout, so sdpa runs it through the mask-free causal kernel. No
+positional encoding otherwise (the paper's `use_rope=False`); `rope=true` rotates q and k as
+well (GPT-NeoX layout, base `rope_base`), `qk_norm=true` adds the Pro block's QK-norm: an RMSNorm
+per head with a learned weight per layer, head and feature, before the rotation. The gate is
+Linear(d_model -> H) per layer, weights N(0, 0.02), bias 0 (f = 0.5 at start), as in the
+official layer. The Pro block's output gate and output norm act on the attention output, which
+no hook reaches: not offered.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from posbench.checks import Flag, Real
+from posbench.encodings.base import Encoding, ModelDims
+from posbench.encodings.rope import rope_inv_freq, rotate
+
+QK_NORM_EPS = 1e-6  # the official layer's norm_eps
+
+
+class FoX(Encoding):
+    name = "fox"
+    hooks = frozenset({"decay"})  # + qk with rope or qk_norm
+    relative = True  # the gates read content, never a position id: a shift of every position changes nothing
+
+    def __init__(self, dims: ModelDims, rope: bool = False, rope_base: float = 500000.0, qk_norm: bool = False):
+        super().__init__(dims)
+        self.rope = Flag()("encoding.rope", rope, self.name)
+        self.rope_base = Real(above=1)("encoding.rope_base", rope_base, self.name)
+        self.qk_norm = Flag()("encoding.qk_norm", qk_norm, self.name)
+        if self.rope and dims.head_dim % 2:
+            raise ValueError(f"fox: encoding.rope=true rotates feature pairs and needs an even head size, got "
+                             f"model.d_model / model.n_heads = {dims.head_dim}")
+        self.hooks = frozenset({"decay"} | ({"qk"} if self.rope or self.qk_norm else set()))
+        self.gates = nn.ModuleList(nn.Linear(dims.d_model, dims.n_heads) for _ in range(dims.n_layers))
+        for gate in self.gates:
+            nn.init.normal_(gate.weight, std=0.02)
+            nn.init.zeros_(gate.bias)
+        if self.qk_norm:  # [layers, 2 (q, k), H, 1, d]
+            self.norm_weight = nn.Parameter(torch.ones(dims.n_layers, 2, dims.n_heads, 1, dims.head_dim))
+        self.register_buffer("inv_freq", rope_inv_freq(dims.head_dim, self.rope_base), persistent=False)
+
+    def params(self) -> dict:
+        return {"rope": self.rope, "rope_base": self.rope_base, "qk_norm": self.qk_norm}
+
+    def log_forget(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """log f_t per head: x [B, L, D] -> [B, H, L] in float32 at least."""
+        logit = self.gates[layer](x).transpose(1, 2)  # [B, H, L]
+        return F.logsigmoid(logit.to(torch.promote_types(logit.dtype, torch.float32)))
+
+    def decay(self, call):
+        return self.log_forget(call.x, call.layer).double().cumsum(-1)  # c: [B, H, Lk]
+
+    def qk(self, q, k, q_pos, k_pos, layer):
+        if self.qk_norm:
+            w_q, w_k = self.norm_weight[layer]  # [H, 1, d] each
+            q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + QK_NORM_EPS) * w_q  # [B, H, Lq, d]
+            k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + QK_NORM_EPS) * w_k  # [B, H, Lk, d]
+        if self.rope:
+            q, k = rotate(q, q_pos, self.inv_freq, "half"), rotate(k, k_pos, self.inv_freq, "half")
+        return q, k

@@ -1,0 +1,58 @@
+"""The hook table: every hook an encoding may fill, in the fixed order attention applies them,
+with the backends that run it and how a composite combines its parts' hooks. Backends,
+validation, composites and the layer read this table; nothing else names the order.
+
+    embed (model input) -> qk -> query_scale -> logits = q.k^T * scale + decay + bias + key_term
+    -> logit_transform -> mask -> normalize (softmax by default) -> prob -> p.V + value_term
+
+Hooks that see content receive the call (`posbench.attention.context.AttentionCall`): the
+layer's input, the positions, the mask, the layer. Today's position-only hooks keep their
+signatures (see `posbench.encodings.base.Encoding`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALL_BACKENDS = frozenset({"eager", "sdpa", "flex"})
+
+
+@dataclass(frozen=True)
+class Hook:
+    name: str
+    what: str  # one line for errors and the README
+    backends: frozenset[str]  # the backends that run it (eager runs every hook: the reference)
+    needs_logits: bool  # a backend running it holds logits (or a bias) of a block of queries x keys
+    combine: str  # a composite with several parts that fill it: sum, product, sequence, or one (refused)
+
+
+HOOKS: dict[str, Hook] = {hook.name: hook for hook in (
+    Hook("embed", "position vectors on the token embedding (model input)", ALL_BACKENDS, False, "sum"),
+    Hook("qk", "a position-dependent transform of q and k (rotations)", ALL_BACKENDS, False, "one"),
+    Hook("query_scale", "q times a factor per query and head (keys seen: SSMax, temperature)",
+         ALL_BACKENDS, False, "product"),
+    Hook("decay", "a causal bias c_i - c_j from per-token levels c (ALiBi causal, FoX's forget gates)",
+         ALL_BACKENDS, False, "sum"),
+    Hook("bias", "a [B', H, Lq, Lk] bias on the scaled logits", ALL_BACKENDS, True, "sum"),
+    Hook("key_term", "a content-dependent logit term (q against position vectors)", frozenset({"eager"}), True,
+         "sum"),
+    Hook("logit_transform", "every head's logits at once, before the mask (CoPE, DAPE)", frozenset({"eager"}),
+         True, "sequence"),
+    Hook("normalize", "replaces softmax (stick-breaking)", frozenset({"eager"}), True, "one"),
+    Hook("prob", "a modulation of the attention probabilities", frozenset({"eager"}), True, "sequence"),
+    Hook("value_term", "a term added to p.V", frozenset({"eager"}), True, "sum"),
+)}
+ORDER = tuple(HOOKS)
+
+
+def backend_hooks(backend: str) -> frozenset[str]:
+    """The hooks a backend runs."""
+    return frozenset(name for name, hook in HOOKS.items() if backend in hook.backends)
+
+
+def backends_for(hooks) -> list[str]:
+    """The backends that run every one of `hooks`, eager last (the reference, slowest)."""
+    return [name for name in ("sdpa", "flex", "eager") if set(hooks) <= backend_hooks(name)]
+
+
+def needs_logits(hooks) -> bool:
+    return any(HOOKS[name].needs_logits for name in hooks)

@@ -1,0 +1,202 @@
+"""The decay hook (logits + c_i - c_j) and the query scale: FoX and causal ALiBi against their papers'
+formulas written as loops, SSMax against its formula, every backend against eager, gradients
+through the mask-free kernel's extra column, and the chunk-relative levels exact in float32 at
+32k tokens against a float64 reference."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from posbench.attention import Attention, AttentionCall, PositionContext, get_backend
+from posbench.encodings.alibi import alibi_slopes
+from posbench.model import ModelConfig, Transformer
+from tests.helpers import make_encoding
+
+D_MODEL, HEADS, LENGTH = 16, 2, 9
+HEAD = D_MODEL // HEADS
+
+
+def fox_by_hand(x, attn, gate):
+    """Lin et al.'s forgetting attention, one query and key at a time (float64):
+    o_i = sum_{j<=i} softmax_j(q_i.k_j / sqrt(d) + sum_{l=j+1..i} log f_l) v_j, f_l = sigmoid(w . x_l + b)."""
+    b, length, _ = x.shape
+    q, k, v = (t.view(b, length, HEADS, HEAD) for t in (x @ attn.qkv.weight.T).split(D_MODEL, dim=-1))
+    log_f = F.logsigmoid(x @ gate.weight.T + gate.bias)  # [B, L, H]
+    out = torch.zeros(b, length, HEADS, HEAD, dtype=x.dtype)
+    for s in range(b):
+        for h in range(HEADS):
+            for i in range(length):
+                logits = torch.stack([q[s, i, h] @ k[s, j, h] / math.sqrt(HEAD) + log_f[s, j + 1:i + 1, h].sum()
+                                      for j in range(i + 1)])
+                out[s, i, h] = logits.softmax(0) @ v[s, :i + 1, h]
+    return out.reshape(b, length, D_MODEL) @ attn.out.weight.T
+
+
+def fox_model(backend: str, **params) -> Transformer:
+    torch.manual_seed(0)
+    enc = make_encoding("fox", d_model=D_MODEL, n_heads=HEADS, **params)
+    cfg = ModelConfig(vocab_size=11, d_model=D_MODEL, n_layers=2, n_heads=HEADS)
+    model = Transformer(cfg, enc, get_backend(backend, enc)).double()
+    for gate in enc.gates:  # gates far from f = 0.5, so that the decay differs per token and head
+        torch.nn.init.normal_(gate.weight, std=1.0)
+        torch.nn.init.normal_(gate.bias, std=1.0)
+    return model
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "flex"])
+def test_fox_attention_is_the_papers_formula(backend):
+    model = fox_model(backend).eval()
+    if backend == "flex":
+        model.blocks[0].attn.backend.compiled = False
+    x = torch.randn(2, LENGTH, D_MODEL, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(LENGTH)[None]
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        got = attn(x, PositionContext(model.encoding, pos))
+    torch.testing.assert_close(got, fox_by_hand(x, attn, model.encoding.gates[0]), rtol=0, atol=1e-12)
+
+
+def test_fox_gates_get_the_eager_gradient_through_the_extra_column():
+    ids = torch.randint(0, 11, (2, 40), generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(40)[None]
+    grads = []
+    for backend in ("eager", "sdpa"):
+        model = fox_model(backend).train()
+        model(ids, pos).sin().sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert grads[1]["encoding.gates.0.weight"].abs().sum() > 0
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-9, atol=1e-11, msg=name)
+
+
+def test_fox_levels_are_a_float64_cumulative_sum_of_log_forget_gates():
+    model = fox_model("sdpa")
+    enc = model.encoding
+    x = torch.randn(1, 5, D_MODEL, dtype=torch.float64)
+    levels = enc.decay(AttentionCall(enc, torch.arange(5)[None], torch.arange(5)[None], 1, True, x=x))
+    log_f = F.logsigmoid(x @ enc.gates[1].weight.T + enc.gates[1].bias)[0].T  # [H, L]
+    expected = torch.stack([log_f[:, :i + 1].sum(-1) for i in range(5)], dim=-1)  # [H, L]
+    assert levels.dtype == torch.float64 and levels.shape == (1, HEADS, 5)
+    torch.testing.assert_close(levels[0], expected, rtol=0, atol=1e-12)
+
+
+def test_fox_qk_norm_and_rope_follow_their_formulas():
+    enc = make_encoding("fox", d_model=D_MODEL, n_heads=HEADS, qk_norm=True, rope=True).double()
+    torch.nn.init.normal_(enc.norm_weight)
+    assert enc.hooks == {"decay", "qk"}
+    q, k = torch.randn(2, 2, HEADS, LENGTH, HEAD, dtype=torch.float64)
+    pos = torch.arange(3, 3 + LENGTH)[None]
+    got_q, got_k = enc.qk(q, k, pos, pos, 1)
+    w_q, w_k = enc.norm_weight[1]
+    normed = q / torch.sqrt((q * q).mean(-1, keepdim=True) + 1e-6) * w_q  # RMSNorm per head
+
+    def rotate_half(t, positions, base=500000.0):  # GPT-NeoX layout: pairs (x_m, x_{m + d/2})
+        half = HEAD // 2
+        angle = positions[0, :, None].double() * base ** (-torch.arange(half, dtype=torch.float64) * 2 / HEAD)
+        a, b = t[..., :half], t[..., half:]
+        return torch.cat([a * angle.cos() - b * angle.sin(), a * angle.sin() + b * angle.cos()], dim=-1)
+
+    torch.testing.assert_close(got_q, rotate_half(normed, pos), rtol=0, atol=1e-12)
+    normed_k = k / torch.sqrt((k * k).mean(-1, keepdim=True) + 1e-6) * w_k
+    torch.testing.assert_close(got_k, rotate_half(normed_k, pos), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_causal_alibi_as_a_decay_is_the_papers_linear_bias(backend):
+    enc = make_encoding("alibi", d_model=D_MODEL, n_heads=HEADS)
+    assert enc.hooks == {"decay"} and make_encoding("alibi", causal=False).hooks == {"bias"}
+    torch.manual_seed(3)
+    attn = Attention(D_MODEL, HEADS, 0, enc, get_backend(backend, enc), causal=True).double()
+    x = torch.randn(2, LENGTH, D_MODEL, dtype=torch.float64)
+    pos = torch.arange(5, 5 + LENGTH)[None]
+    q, k, v = (t.view(2, LENGTH, HEADS, HEAD).transpose(1, 2) for t in (x @ attn.qkv.weight.T).split(D_MODEL, -1))
+    slopes = torch.tensor([2.0 ** (-8 * h / HEADS) for h in range(1, HEADS + 1)], dtype=torch.float64)
+    distance = (pos[0, :, None] - pos[0, None, :]).double()  # i - j
+    logits = q @ k.transpose(-1, -2) / math.sqrt(HEAD) - slopes[:, None, None] * distance
+    logits = logits.masked_fill(distance < 0, float("-inf"))
+    expected = (logits.softmax(-1) @ v).transpose(1, 2).reshape(2, LENGTH, D_MODEL) @ attn.out.weight.T
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x, PositionContext(enc, pos)), expected, rtol=0, atol=1e-12)
+
+
+def test_composite_decays_add_their_levels():
+    enc = make_encoding("composite", d_model=D_MODEL, n_heads=HEADS, parts=["alibi", "fox"]).double()
+    x = torch.randn(2, 6, D_MODEL, dtype=torch.float64)
+    call = AttentionCall(enc, torch.arange(6)[None], torch.arange(6)[None], 0, True, x=x)
+    alibi, fox = enc.parts
+    torch.testing.assert_close(enc.decay(call), alibi.decay(call) + fox.decay(call), rtol=0, atol=0)
+    assert enc.hooks == {"decay"} and enc.relative  # neither reads a position id beyond i - j
+
+
+def selected_rows_by_hand(x, attn, rows, bias_row):
+    """Attention output of query rows `rows` in float64, every key j <= i, logits + bias_row(i) [H, i+1]."""
+    q, k, v = (t.view(x.shape[1], HEADS, HEAD).transpose(0, 1) for t in (x[0] @ attn.qkv.weight.T).split(D_MODEL, -1))
+    out = []
+    for i in rows:
+        logits = q[:, i:i + 1] @ k[:, :i + 1].transpose(-1, -2) / math.sqrt(HEAD) + bias_row(i)[:, None]  # [H, 1, i+1]
+        out.append((logits.softmax(-1) @ v[:, :i + 1]).reshape(D_MODEL))
+    return torch.stack(out) @ attn.out.weight.T  # [rows, D]
+
+
+@pytest.mark.parametrize("name", ["alibi", "fox"])
+def test_decay_is_exact_in_float32_at_32k_tokens(name):
+    """The evaluation path (sdpa, chunks of DECAY_CHUNK queries, levels relative to each chunk's first
+    query) against float64 by hand on rows spread over 32,768 tokens, where c reaches ~1e4."""
+    length, rows = 32768, [0, 1023, 1024, 20000, 32767]
+    torch.manual_seed(4)
+    enc = make_encoding(name, d_model=D_MODEL, n_heads=HEADS, max_positions=length)
+    attn = Attention(D_MODEL, HEADS, 0, enc, get_backend("sdpa", enc), causal=True).eval()
+    x = torch.randn(1, length, D_MODEL)
+    pos = torch.arange(length)[None]
+    with torch.no_grad():
+        got = attn(x, PositionContext(enc, pos))[0, rows]  # float32
+        x64 = x.double()
+        attn64 = Attention(D_MODEL, HEADS, 0, enc, get_backend("eager", enc), causal=True).double()
+        attn64.load_state_dict(attn.state_dict())
+        if name == "alibi":
+            slopes = alibi_slopes(HEADS)
+            def bias_row(i):
+                return -slopes[:, None] * (i - torch.arange(i + 1, dtype=torch.float64))
+        else:
+            gate = enc.gates[0].double()
+            log_f = F.logsigmoid(x64[0] @ gate.weight.T + gate.bias).T  # [H, L]
+            levels = log_f.cumsum(-1)
+            def bias_row(i):
+                return levels[:, i:i + 1] - levels[:, :i + 1]
+            assert levels[:, -1].abs().min() > 1e4  # the levels are large: only differences are small
+        expected = selected_rows_by_hand(x64, attn64, rows, bias_row)
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-5)
+
+
+def test_ssmax_scales_the_logits_by_s_log_keys_seen():
+    enc = make_encoding("ssmax", d_model=D_MODEL, n_heads=HEADS, bias=True).double()
+    torch.nn.init.normal_(enc.scale)
+    torch.nn.init.normal_(enc.shift)
+    torch.manual_seed(5)
+    for backend in ("eager", "sdpa"):
+        attn = Attention(D_MODEL, HEADS, 1, enc, get_backend(backend, enc), causal=True).double()
+        x = torch.randn(2, LENGTH, D_MODEL, dtype=torch.float64)
+        q, k, v = (t.view(2, LENGTH, HEADS, HEAD).transpose(1, 2) for t in (x @ attn.qkv.weight.T).split(D_MODEL, -1))
+        n = torch.arange(1, LENGTH + 1, dtype=torch.float64)  # keys seen by query i: i + 1
+        factor = enc.scale[1][:, None] * n.log() + enc.shift[1][:, None]  # [H, L]
+        logits = factor[:, :, None] * (q @ k.transpose(-1, -2)) / math.sqrt(HEAD)
+        logits = logits.masked_fill(torch.ones(LENGTH, LENGTH, dtype=torch.bool).triu(1), float("-inf"))
+        expected = (logits.softmax(-1) @ v).transpose(1, 2).reshape(2, LENGTH, D_MODEL) @ attn.out.weight.T
+        with torch.no_grad():
+            got = attn(x, PositionContext(enc, torch.arange(LENGTH)[None]))
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12, msg=backend)
+
+
+def test_ssmax_beside_rope_scales_the_rotated_query():
+    enc = make_encoding("composite", d_model=D_MODEL, n_heads=HEADS, parts=["rope", "ssmax"]).double()
+    assert enc.hooks == {"qk", "query_scale"}
+    rope, ssmax = make_encoding("rope", d_model=D_MODEL, n_heads=HEADS), enc.parts[1]
+    pos = torch.arange(LENGTH)[None]
+    call = AttentionCall(enc, pos, pos, 0, True)
+    q, k = torch.randn(2, 2, HEADS, LENGTH, HEAD, dtype=torch.float64)
+    rq, rk = enc.qk(q, k, pos, pos, 0)
+    torch.testing.assert_close(rq, rope.qk(q, k, pos, pos, 0)[0], rtol=0, atol=0)
+    torch.testing.assert_close(enc.query_scale(call), ssmax.query_scale(call), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"encoding.init=0: must be > 0"):
+        make_encoding("ssmax", init=0)
