@@ -3,9 +3,10 @@ from tasks.arithmetic import (Addition, BinaryAddition, CycleNavigation, Modular
                               PolynomialEvaluation, Summation)
 from tasks.base import Batch, Task
 from tasks.copy import Copy
+from tasks.frontier import Counting, FlipFlop, SelectiveCopy, StateTracking
 from tasks.grid import GridFlip, GridNearest, GridRowCount, Life
 from tasks.lego import Lego
-from tasks.retrieval import AssociativeRecall, Passkey
+from tasks.retrieval import MQAR, AssociativeRecall, Passkey
 from tasks.reverse import Reverse
 from tasks.sort import Sort
 from tasks.stack_manipulation import StackManipulation
@@ -17,8 +18,9 @@ LENGTH_GENERALISATION = (  # Kazemnejad et al. 2023; Deletang et al. 2022 / Ruos
     EvenPairs, ModularArithmetic, CycleNavigation, StackManipulation, BucketSort, BinaryAddition,
     MissingDuplicate, OddsFirst,
 )
+FRONTIER = (FlipFlop, SelectiveCopy, Counting, StateTracking, MQAR)  # the 2024-26 papers' probes (tasks/frontier.py)
 GRID = (Life, GridFlip, GridRowCount, GridNearest)  # position_dims = 2: trained at N x N, evaluated at kN x kN
 REGISTRY: dict[str, type[Task]] = {cls.name: cls for cls in (Copy, Reverse, Sort, WikiText, Passkey, AssociativeRecall,
-                                                             *LENGTH_GENERALISATION, *GRID)}
+                                                             *LENGTH_GENERALISATION, *FRONTIER, *GRID)}
 
 __all__ = ["REGISTRY", "Batch", "Task"]

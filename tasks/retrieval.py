@@ -6,6 +6,9 @@
 - associative_recall (Ba et al. 2016; Zoology's multi-query associative recall, Arora et al. 2023):
   `length` pairs `k v` with distinct keys; after `QUERY k SEP` the model writes k's value.
   Length = the number of key-value pairs.
+- mqar: associative_recall with every pair queried by default (queries=null), in random order, as
+  Zoology's MQAR queries every key. Zoology writes no QUERY or SEP token, spreads its queries among
+  random tokens at power-law gaps and draws distinct values; here the layout is associative_recall's.
 
 Layout, causal (a decoder): `[BOS] context (QUERY [key] SEP answer)*Q`; the model sees every token but
 the last and is scored on predicting the answer tokens. Encoder (causal=False): the whole sequence with
@@ -207,11 +210,11 @@ class AssociativeRecall(RetrievalTask):
 
     name = "associative_recall"
 
-    def __init__(self, keys: int = 64, values: int = 32, queries: int = 1, default_length: int = 16,
+    def __init__(self, keys: int = 64, values: int = 32, queries: int | None = 1, default_length: int = 16,
                  causal: bool = True, depth_bins: int = 10):
         self.keys = Integer(1)("task.keys", keys, self.name)
         self.values = Integer(1)("task.values", values, self.name)
-        self.queries = Integer(1)("task.queries", queries, self.name)
+        self.queries = Integer(1, null="every pair")("task.queries", queries, self.name)
         self.content = self.keys + self.values
         super().__init__(default_length, causal, depth_bins)
 
@@ -228,7 +231,7 @@ class AssociativeRecall(RetrievalTask):
         return 2 * length
 
     def query_shape(self, length: int) -> tuple[int, int, int]:
-        return min(self.queries, length), 2, 1  # at most one query per pair
+        return length if self.queries is None else min(self.queries, length), 2, 1  # at most one query per pair
 
     def draw(self, batch_size: int, length: int, generator: torch.Generator) -> Draw:
         device = generator.device
@@ -242,3 +245,13 @@ class AssociativeRecall(RetrievalTask):
                     prompts=torch.stack([query, keys.gather(1, asked)], dim=2),  # [B, Q, 2]
                     answers=values.gather(1, asked)[..., None],  # [B, Q, 1]
                     before=asked, haystack=length - 1)
+
+
+class MQAR(AssociativeRecall):
+    """Multi-query associative recall (Zoology): associative_recall that queries every pair by default."""
+
+    name = "mqar"
+
+    def __init__(self, keys: int = 64, values: int = 32, queries: int | None = None, default_length: int = 16,
+                 causal: bool = True, depth_bins: int = 10):
+        super().__init__(keys, values, queries, default_length, causal, depth_bins)
