@@ -9,9 +9,11 @@ import math
 from dataclasses import dataclass
 
 import torch
+from omegaconf import ListConfig
 from torch import nn
 
 from posbench.attention import Attention, Backend, PositionContext
+from posbench.checks import Integer, Items, shown
 from posbench.encodings.base import Encoding
 
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
@@ -34,11 +36,30 @@ class ModelConfig:
     bias: bool = True  # false: no biases in the feed-forward and the norms (attention projections have none)
     norm_position: str = "pre"  # pre: x + f(norm(x)), a final norm; post: norm(x + f(x)), none after (Vaswani et al.)
     embed_scale: bool = False  # token embeddings times sqrt(d_model) before the encoding's embed hook (Vaswani et al.)
+    window: int | list | None = None  # sliding-window attention: keys with |i - j| < window; a list is a per-layer pattern
 
     def __post_init__(self):
         if self.d_model % self.n_heads:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
                              "pick sizes with d_model % n_heads == 0")
+        self.window = check_window("model.window", self.window)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window of one layer: the setting, or its pattern repeated over the layers (None: global)."""
+        return self.window[layer % len(self.window)] if isinstance(self.window, list) else self.window
+
+
+def check_window(key: str, value) -> int | list | None:
+    """model.window: null (every layer global), a window >= 1 for every layer, or a non-empty list of
+    windows and nulls (global layers) repeated over the layers, e.g. [512, 512, 512, null]."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple, ListConfig)):
+        return Items(Integer(1, null="a global layer"))(key, list(value))
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key}={shown(value)}: must be null (every layer global), a window >= 1, or a list of "
+                         "windows and nulls repeated over the layers, e.g. [512,512,512,null]")
+    return value
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -51,7 +72,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, encoding: Encoding, backend: Backend):
         super().__init__()
         self.norm1 = make_norm(cfg)
-        self.attn = Attention(cfg.d_model, cfg.n_heads, layer, encoding, backend, cfg.causal)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, layer, encoding, backend, cfg.causal, cfg.layer_window(layer))
         self.norm2 = make_norm(cfg)
         hidden = cfg.mlp_ratio * cfg.d_model
         self.mlp = nn.Sequential(nn.Linear(cfg.d_model, hidden, bias=cfg.bias), ACTIVATIONS[cfg.activation](),
@@ -78,6 +99,9 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, encoding: Encoding, backend: Backend):
         super().__init__()
         backend.check(encoding)
+        if cfg.window is not None and not backend.runs_windows:
+            raise ValueError(f"backend={backend.name} does not run a sliding window (model.window={cfg.window}); "
+                             "use backend=sdpa or eager")
         self.cfg = cfg
         self.encoding = encoding
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)

@@ -21,7 +21,8 @@ NOT_RESULT_KEYS = ("seed", "run_name", "logger", "threads", "task.data_dir", "ta
 
 # Dotted keys added after results were committed -> the value every earlier run had.
 ADDED_SETTINGS = {"model.activation": "gelu", "model.norm": "layernorm", "model.bias": True,
-                  "model.norm_position": "pre", "model.embed_scale": False, "train.schedule": "cosine",
+                  "model.norm_position": "pre", "model.embed_scale": False, "model.window": None,
+                  "train.schedule": "cosine",
                   "encoding.rotary_fraction": 1.0,  # rope's; no other encoding has the key
                   "task.eos": False}  # copy's, reverse's and sort's
 

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from posbench import published
 from posbench.checks import Choice, Flag, Integer, Items, Real, refuse, shown
-from posbench.model import ACTIVATIONS, NORM_POSITIONS, NORMS, ModelConfig
+from posbench.model import ACTIVATIONS, NORM_POSITIONS, NORMS, ModelConfig, check_window
 from posbench.positions import SCHEMES
 
 TRAIN_LENGTH_MODES = ("uniform", "fixed")
@@ -93,6 +93,7 @@ SETTINGS = {
     "model.bias": Flag(),
     "model.norm_position": Choice(NORM_POSITIONS),
     "model.embed_scale": Flag(),
+    "model.window": check_window,
 }
 
 

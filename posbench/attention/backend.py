@@ -14,6 +14,7 @@ class Backend:
     name = ""
     supported_hooks: frozenset[str] = frozenset()  # from the hook table: backend_hooks(name)
     takes_bias = True  # the caller builds the bias tensor (flex builds its own score_mod instead)
+    runs_windows = True  # runs a sliding window (AttentionCall.window)
     train_block: int | None = None  # queries per block of a causal layer with logits in training (None: one call)
     per_sequence_logits = False  # a block holds [B, H, b, Lk] logits (not a [1, H, b, Lk] bias): sizes chunks
 

@@ -20,42 +20,56 @@ def causal_mask(lq: int, lk: int, device) -> torch.Tensor:
 
 @dataclass
 class AttentionCall:
-    """One call of attention: queries at q_pos [B', Lq], the last Lq of the keys at k_pos [B', Lk]
-    when causal (a memory, then the queries). Content hooks read it; backends run it."""
+    """One call of attention: queries at q_pos [B', Lq], keys at k_pos [B', Lk], the queries at key
+    indices q_start.. (by default the last Lq: a memory, then the queries). Content hooks read it;
+    backends run it."""
 
     encoding: Encoding
     q_pos: torch.Tensor  # [B', Lq] ([B', Lq, 2] on grids for 2-D encodings)
     k_pos: torch.Tensor  # [B', Lk]
     layer: int
     causal: bool
+    window: int | None = None  # sliding window: query i sees keys with |i - j| < window (None: all)
+    q_start: int = -1  # the key index of the first query (-1: Lk - Lq, the queries last)
     bias: torch.Tensor | None = None  # [B', H, Lq, Lk] when the caller built it; else the backend builds it
     mask_in_bias: bool = False  # the bias holds -inf where a causal query may not look
     x: torch.Tensor | None = None  # the layer's input at the keys [B, Lk, D] (what q, k and v were projected from)
     q_levels: torch.Tensor | None = None  # decay levels c at the queries [B|1, H, Lq]: bias c_i - c_j
     k_levels: torch.Tensor | None = None  # decay levels c at the keys [B|1, H, Lk]
 
+    def __post_init__(self):
+        if self.q_start < 0:
+            self.q_start = self.k_pos.shape[1] - self.q_pos.shape[1]
+
     def visible(self) -> torch.Tensor | None:
         """True where query i may see key j: [Lq, Lk]; None when every key is visible."""
-        if not self.causal:
+        if not self.causal and self.window is None:
             return None
-        return causal_mask(self.q_pos.shape[1], self.k_pos.shape[1], self.q_pos.device)
+        lq, lk = self.q_pos.shape[1], self.k_pos.shape[1]
+        offset = (torch.arange(self.q_start, self.q_start + lq, device=self.q_pos.device)[:, None]
+                  - torch.arange(lk, device=self.q_pos.device))  # i - j in key indices: [Lq, Lk]
+        seen = offset >= 0 if self.causal else torch.ones_like(offset, dtype=torch.bool)
+        return seen if self.window is None else seen & (offset.abs() < self.window)
 
     def keys_seen(self) -> torch.Tensor:
-        """How many keys each query attends: [Lq] (causal: its index among the keys + 1)."""
+        """How many keys each query attends: [Lq] (causal: its index among the keys + 1; at most the window)."""
         lq, lk = self.q_pos.shape[1], self.k_pos.shape[1]
         if not self.causal:
-            return torch.full((lq,), lk, device=self.q_pos.device)  # [Lq]
-        return torch.arange(lk - lq + 1, lk + 1, device=self.q_pos.device)  # [Lq]
+            return torch.full((lq,), lk, device=self.q_pos.device)  # [Lq] (a window: the keys it reaches)
+        seen = torch.arange(self.q_start + 1, self.q_start + lq + 1, device=self.q_pos.device)  # [Lq]
+        return seen if self.window is None else seen.clamp(max=self.window)
 
-    def block(self, start: int, stop: int, end: int, bias: torch.Tensor | None, mask_in_bias: bool) -> AttentionCall:
-        """Queries start:stop against keys :end, with the block's bias."""
-        def cut(t, keys=slice(None, end)):
-            return None if t is None else t[..., keys]
+    def block(self, start: int, stop: int, first: int, end: int, bias: torch.Tensor | None,
+              mask_in_bias: bool) -> AttentionCall:
+        """Queries start:stop against keys first:end, with the block's bias."""
+        def keys(t):
+            return None if t is None else t[..., first:end]
 
         return dataclasses.replace(
-            self, q_pos=self.q_pos[:, start:stop], k_pos=self.k_pos[:, :end], bias=bias, mask_in_bias=mask_in_bias,
-            x=None if self.x is None else self.x[:, :end], q_levels=cut(self.q_levels, slice(start, stop)),
-            k_levels=cut(self.k_levels))
+            self, q_pos=self.q_pos[:, start:stop], k_pos=self.k_pos[:, first:end], bias=bias,
+            mask_in_bias=mask_in_bias, q_start=self.q_start + start - first,
+            x=None if self.x is None else self.x[:, first:end],
+            q_levels=None if self.q_levels is None else self.q_levels[..., start:stop], k_levels=keys(self.k_levels))
 
 
 class PositionContext:

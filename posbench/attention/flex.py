@@ -68,6 +68,7 @@ class FlexBackend(Backend):
     name = "flex"
     supported_hooks = backend_hooks(name)
     takes_bias = False  # the bias enters as a score_mod, never as a tensor
+    runs_windows = False  # its block mask is causal only
 
     def __init__(self, compiled: bool = True):
         self.compiled = compiled
@@ -77,7 +78,7 @@ class FlexBackend(Backend):
         if "bias" not in encoding.hooks:
             return
         pos = torch.zeros(1, 1, dtype=torch.long, device=tensor_device(encoding))  # [1, 1]: one query, one key
-        if encoding.score_mod(pos, pos, 0) is None:
+        if any(encoding.score_mod(pos, pos, layer) is None for layer in range(encoding.dims.n_layers)):
             valid = [b for b in backends_for(set(encoding.hooks) - {"embed"}) if b != self.name]
             raise ValueError(f"backend=flex cannot run encoding {encoding.name}: its bias has no FlexAttention "
                              f"score_mod (Encoding.score_mod); use backend={valid[0]} (backends that can: {valid})")

@@ -11,7 +11,9 @@ Length costs no `L x L` memory beyond one block of queries where it matters:
   contiguous positions is one strided copy of a row of per-offset values, and on the fused CPU
   kernel a chunk's prefix and its causal square are two calls merged by their log-sum-exps;
 - a decay alone needs no logits: evaluation takes DECAY_CHUNK queries at a time so that the
-  levels, relative to each chunk's first query, stay small in float32 at any length.
+  levels, relative to each chunk's first query, stay small in float32 at any length;
+- a sliding window (model.window) is a mask: evaluation chunks as for logits, and a causal chunk
+  attends only the keys from its first query's window on, so memory grows with the window, not L.
 """
 from __future__ import annotations
 
@@ -31,14 +33,16 @@ DECAY_CHUNK = 1024  # queries per chunk in evaluation for a decay without logits
 
 def query_key_hooks(q: torch.Tensor, k: torch.Tensor, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
     """The hooks before the logits, for every query at once: qk, query_scale, and decay (its levels
-    go into the call). q: [B, H, Lq, d], k: [B, H, Lk, d] -> the same shapes."""
+    go into the call); a layer of a schedule may answer None (no scale, no decay) to the last two.
+    q: [B, H, Lq, d], k: [B, H, Lk, d] -> the same shapes."""
     encoding, hooks = call.encoding, call.encoding.hooks
     if "qk" in hooks:
         q, k = encoding.qk(q, k, call.q_pos, call.k_pos, call.layer)
-    if "query_scale" in hooks:
-        q = q * encoding.query_scale(call)  # [B, H, Lq, d] times [B|1, H|1, Lq, 1]
-    if "decay" in hooks:
-        levels = encoding.decay(call)  # [B|1, H, Lk]
+    scale = encoding.query_scale(call) if "query_scale" in hooks else None  # [B|1, H|1, Lq, 1]
+    if scale is not None:
+        q = q * scale  # [B, H, Lq, d]
+    levels = encoding.decay(call) if "decay" in hooks else None  # [B|1, H, Lk]
+    if levels is not None:
         call.q_levels, call.k_levels = levels[..., levels.shape[-1] - q.shape[-2]:], levels
     return q, k
 
@@ -47,9 +51,9 @@ class Attention(nn.Module):
     """Multi-head self-attention that receives its positional encoding and backend."""
 
     def __init__(self, d_model: int, n_heads: int, layer: int, encoding: Encoding, backend: Backend,
-                 causal: bool):
+                 causal: bool, window: int | None = None):
         super().__init__()
-        self.n_heads, self.layer, self.causal = n_heads, layer, causal
+        self.n_heads, self.layer, self.causal, self.window = n_heads, layer, causal, window
         self.backend = backend
         self.encoding = [encoding]  # a list: shared with the model, registered there once
         self.eval_chunk: int | str | None = None  # queries per chunk in evaluation: a number, "auto" or None (all)
@@ -68,7 +72,7 @@ class Attention(nn.Module):
             w_q, w_kv = self.qkv.weight.split([d_model, 2 * d_model])
             q = F.linear(x, w_q).view(b, length, self.n_heads, -1).transpose(1, 2)  # [B, H, L, d]
             k, v = F.linear(memory, w_kv).view(b, memory.shape[1], 2, self.n_heads, -1).permute(2, 0, 3, 1, 4)
-        call = AttentionCall(encoding, positions.q_pos, positions.k_pos, self.layer, self.causal,
+        call = AttentionCall(encoding, positions.q_pos, positions.k_pos, self.layer, self.causal, self.window,
                              x=x if memory is None else memory)
         q, k = query_key_hooks(q, k, call)
         block = self.query_block(encoding, b, length, k.shape[-2])
@@ -82,7 +86,7 @@ class Attention(nn.Module):
 
     def query_block(self, encoding: Encoding, batch: int, length: int, keys: int) -> int | None:
         """Queries per block, or None for one call over all of them."""
-        logits = needs_logits(encoding.hooks)
+        logits = needs_logits(encoding.hooks) or self.window is not None  # a window is a mask
         if not self.backend.takes_bias or not (logits or "decay" in encoding.hooks):
             return None  # fused kernels (a backend that builds its own bias: block masks) bound their own memory
         if not self.training:
@@ -100,14 +104,18 @@ class Attention(nn.Module):
 
     def attend_block(self, q, k, v, call: AttentionCall, positions: PositionContext, start: int,
                      stop: int) -> torch.Tensor:
-        """Queries start:stop against the keys they may see: their prefix when causal."""
+        """Queries start:stop against the keys they may see: their prefix when causal, from the
+        window's start when there is one."""
         end = stop + k.shape[-2] - q.shape[-2] if self.causal else k.shape[-2]
+        first = max(0, call.q_start + start - self.window + 1) if self.causal and self.window else 0
         bake = False
         if self.training:
             full = positions.bias(self.layer)
-            bias = None if full is None else full[:, :, start:stop, :end]
+            bias = None if full is None else full[:, :, start:stop, first:end]
         else:
             bake = self.causal and self.backend.bakes_mask(q)
             bias = positions.block_bias(self.layer, start, stop, end, bake)
-        block = call.block(start, stop, end, bias, mask_in_bias=bake and bias is not None)
-        return self.backend.attend(q[:, :, start:stop], k[:, :, :end], v[:, :, :end], block)  # [B, H, stop - start, d]
+            bias = None if bias is None else bias[..., first:]
+        block = call.block(start, stop, first, end, bias, mask_in_bias=bake and bias is not None)
+        return self.backend.attend(q[:, :, start:stop], k[:, :, first:end], v[:, :, first:end],
+                                   block)  # [B, H, stop - start, d]

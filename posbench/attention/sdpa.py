@@ -4,6 +4,7 @@
 - A decay (c_i - c_j, rank one in causal layout): one more column on q (ones), k ((c_ref - c_j) / scale)
   and v (zeros, dropped from the output), so it rides the same mask-free kernel; c_ref, the level of
   the call's first query, keeps the column small, and softmax ignores the per-query constant it adds.
+- A sliding window: its band as -inf in the mask (with the bias, if any).
 - A bias on CPU: the fused flash kernel with the causal flag and the bias as its mask (posbench.attention
   .fused_cpu); elsewhere a 4-D float mask (a 3-D one would leave the fused kernels).
 """
@@ -39,7 +40,12 @@ class SdpaBackend(Backend):
         scale = call.encoding.logit_scale(head)
         if call.k_levels is not None:
             q, k, v = with_decay_column(q, k, v, call, scale)
-        out = self.attend_columns(q, k, v, call_bias(call), call.causal and not call.mask_in_bias, scale)
+        bias, causal = call_bias(call), call.causal and not call.mask_in_bias
+        if call.window is not None:  # the band as -inf in a 4-D mask
+            visible = call.visible()  # [Lq, Lk]
+            zeros = torch.zeros(1, 1, *visible.shape, dtype=q.dtype, device=q.device)  # [1, 1, Lq, Lk]
+            bias, causal = (zeros if bias is None else bias).masked_fill(~visible, float("-inf")), False
+        out = self.attend_columns(q, k, v, bias, causal, scale)
         return out[..., :head]  # [B, H, Lq, d]
 
     @staticmethod

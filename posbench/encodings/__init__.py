@@ -18,12 +18,14 @@ from posbench.encodings.nope import NoPE
 from posbench.encodings.rope import RoPE
 from posbench.encodings.rope_2d import RoPE2D, RoPEMixed
 from posbench.encodings.sandwich import Sandwich
+from posbench.encodings.schedule import Schedule
 from posbench.encodings.shaw import Shaw
 from posbench.encodings.sinusoidal import Sinusoidal
 from posbench.encodings.sinusoidal_2d import Sinusoidal2D
 from posbench.encodings.ssmax import SSMax
 from posbench.encodings.t5 import T5
 from posbench.encodings.t5_2d import T52D
+from posbench.encodings.temperature import Temperature
 from posbench.encodings.transformer_xl import TENER, TransformerXL
 from posbench.encodings.urpe import URPE
 from posbench.encodings.xpos import XPos
@@ -36,7 +38,7 @@ REGISTRY: dict[str, type[Encoding]] = {cls.name: cls for cls in (NoPE, Sinusoida
                                                                Composite,
                                                                Sinusoidal2D, Learned2D, RoPE2D, RoPEMixed, T52D,
                                                                ALiBi2D,
-                                                               FoX, SSMax)}
+                                                               FoX, SSMax, Schedule, Temperature)}
 
 
 def get_encoding(name: str) -> type[Encoding]:

@@ -134,13 +134,7 @@ class Composite(Encoding):
             part.set_eval_length(train_positions, eval_positions)
 
     def logit_scale(self, head_dim: int) -> float:
-        default = super().logit_scale(head_dim)
-        overrides = {part.name: scale for part in self.parts  # by value: a urpe part inherits this method
-                     if (scale := part.logit_scale(head_dim)) != default}
-        if len(set(overrides.values())) > 1:
-            raise ValueError(f"composite: parts disagree on the logit scale {overrides} (head size {head_dim}); "
-                             "combine parts that keep the same scale")
-        return next(iter(overrides.values()), default)
+        return agreed_logit_scale(self.name, self.parts, head_dim, super().logit_scale(head_dim))
 
     def embed(self, x, pos, ids):
         for part in self.parts_with("embed"):  # additive parts: x + p_1 + p_2 + ...
@@ -199,6 +193,17 @@ class Composite(Encoding):
     def value_term(self, p, q_pos, k_pos, layer):
         return sum_terms(part.value_term(p, q_pos, k_pos, layer)
                          for part in self.parts_with("value_term"))  # [B, H, Lq, d]
+
+
+def agreed_logit_scale(owner: str, parts, head_dim: int, default: float) -> float:
+    """The one logit scale the parts agree on: the default unless a part overrides it (tener 1, deberta
+    1/sqrt(3d)); two different overrides are refused."""
+    overrides = {part.name: scale for part in parts  # by value: a urpe part inherits Composite's method
+                 if (scale := part.logit_scale(head_dim)) != default}
+    if len(set(overrides.values())) > 1:
+        raise ValueError(f"{owner}: parts disagree on the logit scale {overrides} (head size {head_dim}); "
+                         "combine parts that keep the same scale")
+    return next(iter(overrides.values()), default)
 
 
 def sum_terms(terms):

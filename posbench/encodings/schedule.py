@@ -1,0 +1,145 @@
+"""Per-layer schedules: each layer its own encoding, as long-context models ship them (Llama 4's iRoPE,
+Cohere's RNoPE-SWA, Gemma 3's local and global RoPE bases; FRONTIER.md section 12). A schedule is
+configuration, not a class per mix:
+
+    encoding=schedule encoding.pattern=[rope,rope,rope,nope]
+    encoding.kinds={local: {encoding: rope, base: 10000}, global: {encoding: rope, base: 1000000}}
+    encoding.pattern=[local,local,local,local,local,global]
+
+`pattern` names one encoding per layer and repeats over the layers (layer l takes pattern[l % len];
+a model with fewer layers than the pattern takes its first entries, and rows record each layer's);
+an entry is a registered encoding with its defaults, or a name in `kinds`, a variant with its own
+parameters (`encoding:` names the registered encoding; a composite is allowed). Each entry is built
+once, with the model's dims, and every hook goes to the layer's own encoding; a layer whose encoding
+lacks a hook gets "no change". Sliding windows are a model setting (`model.window`, a per-layer list
+repeated the same way). `embed` acts on the model input, not on a layer: an encoding with it is refused.
+"""
+from __future__ import annotations
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from torch import nn
+
+from posbench.encodings.base import Encoding, ModelDims
+from posbench.encodings.composite import agreed_logit_scale, build_part
+
+DEFAULT_PATTERN = ("rope", "rope", "rope", "nope")
+
+
+def identity_score_mod(score, b, h, q_idx, kv_idx):
+    return score
+
+
+class Schedule(Encoding):
+    name = "schedule"
+    hooks = frozenset({"qk"})  # those of DEFAULT_PATTERN; every instance sets its own
+    relative = True
+
+    def __init__(self, dims: ModelDims, pattern=DEFAULT_PATTERN, kinds=None):
+        super().__init__(dims)
+        from posbench.encodings import REGISTRY  # lazily: the registry imports this module
+
+        self.pattern, self.kinds = parse_pattern(pattern, kinds, REGISTRY)
+        self.layers = [self.pattern[layer % len(self.pattern)] for layer in range(dims.n_layers)]
+        built = {}
+        for entry in dict.fromkeys(self.layers):  # the entries some layer takes (a model with fewer layers than
+            # the pattern, e.g. debug=smoke's one, drops the rest; params() records what each layer took)
+            params = dict(self.kinds.get(entry, {"encoding": entry}))
+            name = params.pop("encoding")
+            built[entry] = build_part(REGISTRY[name], name, dims, params)
+        self.entries = nn.ModuleDict(built)
+        embedders = [entry for entry, enc in built.items() if "embed" in enc.hooks]
+        if embedders:
+            raise ValueError(f"schedule: {embedders} act on the model input (embed hook), not on one layer; a "
+                             "schedule takes encodings of the attention (qk, bias, decay, ...)")
+        dims_read = {enc.position_dims for enc in built.values() if enc.hooks}
+        if len(dims_read) > 1:
+            raise ValueError("schedule: its entries read 1-D and 2-D positions; use entries of one kind")
+        self.position_dims = dims_read.pop() if dims_read else 1
+        self.hooks = frozenset().union(*(enc.hooks for enc in built.values()))
+        self.relative = all(enc.relative for enc in built.values())
+        self.logit_scale(dims.head_dim)  # conflicting overrides fail before training
+
+    @property
+    def bias_relative(self) -> bool:
+        return all(enc.bias_relative for enc in self.entries.values() if "bias" in enc.hooks)
+
+    def at(self, layer: int) -> Encoding:
+        """The encoding of one layer."""
+        return self.entries[self.layers[layer]]
+
+    def params(self) -> dict:
+        return {"pattern": list(self.pattern), "kinds": self.kinds, "layers": self.layers,
+                **{entry: enc.params() for entry, enc in self.entries.items()}}
+
+    def set_eval_length(self, train_positions: int, eval_positions: int) -> None:
+        for enc in self.entries.values():
+            enc.set_eval_length(train_positions, eval_positions)
+
+    def logit_scale(self, head_dim: int) -> float:
+        return agreed_logit_scale(self.name, self.entries.values(), head_dim, super().logit_scale(head_dim))
+
+    def qk(self, q, k, q_pos, k_pos, layer):
+        enc = self.at(layer)
+        return enc.qk(q, k, q_pos, k_pos, layer) if "qk" in enc.hooks else (q, k)
+
+    def query_scale(self, call):
+        enc = self.at(call.layer)
+        return enc.query_scale(call) if "query_scale" in enc.hooks else None
+
+    def decay(self, call):
+        enc = self.at(call.layer)
+        return enc.decay(call) if "decay" in enc.hooks else None
+
+    def bias(self, q_pos, k_pos, layer):
+        enc = self.at(layer)
+        return enc.bias(q_pos, k_pos, layer) if "bias" in enc.hooks else None
+
+    def score_mod(self, q_pos, k_pos, layer):
+        enc = self.at(layer)
+        return enc.score_mod(q_pos, k_pos, layer) if "bias" in enc.hooks else identity_score_mod
+
+    def key_term(self, q, k, q_pos, k_pos, layer):
+        enc = self.at(layer)
+        return enc.key_term(q, k, q_pos, k_pos, layer) if "key_term" in enc.hooks else None
+
+    def logit_transform(self, logits, q, k, call):
+        enc = self.at(call.layer)
+        return enc.logit_transform(logits, q, k, call) if "logit_transform" in enc.hooks else logits
+
+    def normalize(self, logits, v, call):
+        enc = self.at(call.layer)
+        return enc.normalize(logits, v, call) if "normalize" in enc.hooks else super().normalize(logits, v, call)
+
+    def prob(self, p, q_pos, k_pos, layer):
+        enc = self.at(layer)
+        return enc.prob(p, q_pos, k_pos, layer) if "prob" in enc.hooks else p
+
+    def value_term(self, p, q_pos, k_pos, layer):
+        enc = self.at(layer)
+        return enc.value_term(p, q_pos, k_pos, layer) if "value_term" in enc.hooks else None
+
+
+def parse_pattern(pattern, kinds, registry: dict) -> tuple[list[str], dict[str, dict]]:
+    """pattern: a non-empty list of registered names or kinds; kinds: {name: {encoding: registered, ...}}."""
+    kinds = {str(name): dict(params or {}) for name, params in (kinds or {}).items()}
+    choices = sorted(set(registry) - {Schedule.name})
+    for name, params in kinds.items():
+        if name in registry:
+            raise ValueError(f"schedule: kind {name!r} shadows the registered encoding of that name; rename it")
+        if params.get("encoding") not in choices:
+            raise ValueError(f"schedule: kind {name!r} needs `encoding:` one of the registered encodings {choices}, "
+                             f"got {params.get('encoding')!r}")
+    if isinstance(pattern, str) or not isinstance(pattern, (list, tuple, ListConfig)) or not pattern:
+        raise ValueError(f"schedule: pattern={pattern!r} must be a non-empty list of encodings (one per layer, "
+                         "repeated over the layers), e.g. encoding.pattern=[rope,rope,rope,nope]")
+    entries = [str(entry) for entry in pattern]
+    for entry in entries:
+        if entry not in kinds and entry not in choices:
+            raise ValueError(f"schedule: pattern entry {entry!r} is neither a registered encoding {choices} nor a "
+                             f"kind {sorted(kinds)}")
+    return entries, {name: {k: plain(v) for k, v in params.items()} for name, params in kinds.items()}
+
+
+def plain(value):
+    """OmegaConf containers as plain lists and dicts (kinds are recorded in every row)."""
+    return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
