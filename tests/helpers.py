@@ -104,6 +104,13 @@ COMPOSITE_PARTS = (("rope", "t5"), ("rope", "tener"), ("tener", "rope"), ("rope"
 ENCODING_CASES = (*sorted(REGISTRY), *(f"composite:{'+'.join(parts)}" for parts in COMPOSITE_PARTS))
 
 
+def with_layouts(cases) -> list[tuple[str, bool]]:
+    """(case, causal) for both layouts, but only the causal one for an encoding that refuses the other
+    (causal_only: its refusal is tested with it)."""
+    return [(case, causal) for case in cases for causal in (True, False)
+            if causal or not REGISTRY[case.partition(":")[0]].causal_only]
+
+
 def make_case(case: str, **kwargs):
     """The encoding of an ENCODING_CASES entry: a registered name, or composite:part+part."""
     name, _, parts = case.partition(":")

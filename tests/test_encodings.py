@@ -11,7 +11,7 @@ from posbench.encodings.rope import rotate, rope_inv_freq
 from posbench.encodings.sinusoidal import sinusoidal_table
 from posbench.encodings.t5 import t5_bucket
 from posbench.model import ModelConfig, Transformer
-from tests.helpers import ENCODING_CASES, grid_positions, make_case, make_encoding, positions_for
+from tests.helpers import ENCODING_CASES, grid_positions, make_case, make_encoding, positions_for, with_layouts
 
 
 def test_sinusoidal_interleaved_matches_closed_formula():
@@ -167,8 +167,7 @@ def tiny_model(name: str, backend: str = "eager", causal: bool = True) -> Transf
     return model_of(make_encoding(name, causal=causal, d_model=32, n_heads=4, max_positions=40), causal, backend)
 
 
-@pytest.mark.parametrize("case", ENCODING_CASES)
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case,causal", with_layouts(ENCODING_CASES))
 def test_relative_trait_matches_a_shift_of_every_position(case, causal):
     """A built instance marked relative gives the same outputs when every position moves by a constant
     (every hook, the whole model); one not marked relative gives other outputs (so the trait is not
@@ -244,8 +243,7 @@ def test_causality_future_tokens_never_change_the_past(name):
             assert not torch.allclose(model(changed, pos)[:, t + 1:], out[:, t + 1:])
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name,causal", with_layouts(sorted(REGISTRY)))
 def test_sdpa_backend_matches_eager(name, causal):
     if set(REGISTRY[name].hooks) - {"embed"} - get_backend("sdpa").supported_hooks:
         with pytest.raises(ValueError, match="backend=sdpa cannot run"):

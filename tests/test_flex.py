@@ -13,7 +13,7 @@ from posbench.encodings import REGISTRY
 from posbench.encodings.base import Encoding, relative_distance
 from posbench.attention.flex import causal_block_mask
 from posbench.model import ModelConfig, Transformer
-from tests.helpers import make_encoding
+from tests.helpers import make_encoding, with_layouts
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -137,8 +137,7 @@ def model_pair(name: str, causal: bool) -> tuple[Transformer, Transformer]:
     return eager, flex
 
 
-@pytest.mark.parametrize("name", SEQUENCE)
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name,causal", with_layouts(SEQUENCE))
 def test_model_matches_eager(name, causal):
     if name not in RUNNABLE:
         with pytest.raises(ValueError, match="backend=flex cannot run the"):

@@ -10,7 +10,7 @@ import torch
 from posbench.attention import PositionContext, eager, fused_cpu, get_backend, layer
 from posbench.encodings import REGISTRY
 from posbench.model import ModelConfig, Transformer
-from tests.helpers import make_encoding, positions_for, trained_looking_model
+from tests.helpers import make_encoding, positions_for, trained_looking_model, with_layouts
 
 ALL = sorted(REGISTRY)
 BIAS = sorted(name for name, cls in REGISTRY.items() if "bias" in cls.hooks)
@@ -33,8 +33,7 @@ def one_pass(monkeypatch):
     monkeypatch.setattr(eager, "EAGER_TRAIN_BLOCK", 10**9)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name,causal", with_layouts(ALL))
 def test_chunked_evaluation_equals_one_pass(name, causal):
     pos = positions_for(name, LENGTH)
     reference = trained_looking_model(name, "eager", causal).eval()(ids_for(), pos)

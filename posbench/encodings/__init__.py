@@ -15,6 +15,7 @@ from posbench.encodings.kerple import Kerple
 from posbench.encodings.learned import Learned
 from posbench.encodings.learned_2d import Learned2D
 from posbench.encodings.nope import NoPE
+from posbench.encodings.path import PaTH
 from posbench.encodings.rope import RoPE
 from posbench.encodings.rope_2d import RoPE2D, RoPEMixed
 from posbench.encodings.sandwich import Sandwich
@@ -38,7 +39,7 @@ REGISTRY: dict[str, type[Encoding]] = {cls.name: cls for cls in (NoPE, Sinusoida
                                                                Composite,
                                                                Sinusoidal2D, Learned2D, RoPE2D, RoPEMixed, T52D,
                                                                ALiBi2D,
-                                                               FoX, SSMax, Schedule, Temperature)}
+                                                               FoX, SSMax, Schedule, Temperature, PaTH)}
 
 
 def get_encoding(name: str) -> type[Encoding]:

@@ -63,6 +63,7 @@ class Encoding(nn.Module):
     replaces_token_embedding: bool = False  # embed builds the input from the ids and ignores x
     bias_layers_shared: bool = False  # bias(q_pos, k_pos, layer) is the same for every layer: built once
     position_dims: int = 1  # 1: reads ids [B', L]; 2: reads (row, column) [B', L, 2] (needs a grid task)
+    causal_only: bool = False  # refuses a bidirectional model (model.causal=false)
 
     def __init__(self, dims: ModelDims):
         super().__init__()

@@ -1,0 +1,80 @@
+"""PaTH attention (Yang et al. 2025, arXiv 2505.16381): positions as a data-dependent product of
+Householder-like transforms between query and key,
+
+    logit_ij = q_i^T H_i H_{i-1} ... H_{j+1} k_j / sqrt(d)      (the identity when j = i),
+    H_t = I - beta_t w_t w_t^T,   beta_t = 2 sigmoid(w_beta . x_t + b) in (0, 2),
+    w_t = L2norm(SiLU(ShortConv_3(W_2 W_1 x_t)))  per head (W_1: d_model -> 32, W_2: 32 -> H d),
+
+x the layer's input, the convolution causal and depthwise over time with no bias, as fla's PaTHAttention
+(fla/layers/path_attn.py). The algorithm is its reference one: at each step t every cached key j < t
+becomes H_t k_j, then k_t joins; query t reads the cache. O(L^2 d) time, a Python loop over the keys:
+an eager reference (`logit_transform`), fit for training lengths and evaluation to a few thousand
+tokens, not for 32k. Causal only. `encoding=composite encoding.parts=[path,fox]` gives PaTH-FoX, with
+FoX's own scale of the gate (fla multiplies the gate term by 1/sqrt(d) there).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from posbench.encodings.base import Encoding, ModelDims
+
+W_RANK = 32  # fla's low-rank projection of w (heads not shared)
+CONV_WIDTH = 3
+
+
+class PaTH(Encoding):
+    name = "path"
+    hooks = frozenset({"logit_transform"})
+    relative = True  # reads no position id: the transforms come from content
+    causal_only = True
+
+    def __init__(self, dims: ModelDims):
+        super().__init__(dims)
+        if not dims.causal:
+            raise ValueError("path: PaTH's transforms run from each key to its query, a causal product; set "
+                             "model.causal=true (its paper and code are causal only)")
+        width = dims.n_heads * dims.head_dim
+        self.w_down = nn.ModuleList(nn.Linear(dims.d_model, W_RANK, bias=False) for _ in range(dims.n_layers))
+        self.w_up = nn.ModuleList(nn.Linear(W_RANK, width, bias=False) for _ in range(dims.n_layers))
+        self.w_conv = nn.ModuleList(nn.Conv1d(width, width, CONV_WIDTH, groups=width, bias=False)
+                                    for _ in range(dims.n_layers))
+        self.beta = nn.ModuleList(nn.Linear(dims.d_model, dims.n_heads) for _ in range(dims.n_layers))
+        for linear in (*self.w_down, *self.w_up, *self.beta):
+            nn.init.normal_(linear.weight, std=0.02)
+        for linear in self.beta:
+            nn.init.zeros_(linear.bias)  # beta = 1 at the start: H_t a reflection
+
+    def householder(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, L, D] -> w [B, H, L, d] (unit norm per head) and beta [B, H, L]."""
+        b, length, _ = x.shape
+        w = self.w_up[layer](self.w_down[layer](x)).transpose(1, 2)  # [B, H d, L]
+        w = F.silu(self.w_conv[layer](F.pad(w, (CONV_WIDTH - 1, 0))))  # causal: [B, H d, L]
+        w = w.view(b, self.dims.n_heads, self.dims.head_dim, length).transpose(-1, -2)  # [B, H, L, d]
+        w = F.normalize(w.to(torch.promote_types(w.dtype, torch.float32)), dim=-1).to(x.dtype)  # float32 at least, as fla
+        beta = 2 * torch.sigmoid(self.beta[layer](x)).transpose(1, 2)  # [B, H, L]
+        return w, beta
+
+    def logit_transform(self, logits, q, k, call):
+        w, beta = self.householder(call.x, call.layer)  # [B, H, Lk, d], [B, H, Lk]
+        scale = self.logit_scale(q.shape[-1])
+        plain = q @ k.transpose(-1, -2)  # [B, H, Lq, Lk]
+        return logits + (path_products(q, k, w, beta, call.q_start) - plain) * scale
+
+
+def path_products(q, k, w, beta, q_start: int) -> torch.Tensor:
+    """q_i^T H_i ... H_{j+1} k_j for the queries at key indices q_start.. and every key j <= i (zero for j > i).
+    q: [B, H, Lq, d], k, w: [B, H, Lk, d], beta: [B, H, Lk] -> [B, H, Lq, Lk]."""
+    lk = k.shape[-2]
+    rows = []
+    keys = k[..., :0, :]  # [B, H, 0, d]: the cache, each key carried to the current step
+    for t in range(lk):
+        if t:
+            along = keys @ w[..., t, :, None]  # k_j . w_t: [B, H, t, 1]
+            keys = keys - beta[..., t, None, None] * along * w[..., t, None, :]  # H_t k_j: [B, H, t, d]
+        keys = torch.cat([keys, k[..., t:t + 1, :]], dim=-2)  # [B, H, t + 1, d]
+        if t >= q_start:
+            row = q[..., t - q_start:t - q_start + 1, :] @ keys.transpose(-1, -2)  # [B, H, 1, t + 1]
+            rows.append(F.pad(row, (0, lk - t - 1)))  # [B, H, 1, Lk]
+    return torch.cat(rows, dim=-2)  # [B, H, Lq, Lk]
