@@ -99,7 +99,8 @@ def grid_positions(height: int, width: int, row: int = 0, col: int = 0) -> torch
 COMPOSITE_PARTS = (("rope", "t5"), ("rope", "tener"), ("tener", "rope"), ("rope", "shaw"), ("rope", "deberta"),
                    ("xpos", "transformer_xl"), ("xpos", "alibi"), ("rope", "urpe"), ("alibi", "shaw"),
                    ("shaw", "tener"), ("nope", "kerple"), ("fire", "rope"), ("learned", "alibi"),
-                   ("complex_order", "t5"), ("rope_2d", "t5_2d"))
+                   ("complex_order", "t5"), ("rope_2d", "t5_2d"), ("rope", "cope"), ("rope", "ssmax"),
+                   ("alibi", "fox"))
 # the built instances the trait tests run over: every registered encoding with its defaults, and those composites
 ENCODING_CASES = (*sorted(REGISTRY), *(f"composite:{'+'.join(parts)}" for parts in COMPOSITE_PARTS))
 

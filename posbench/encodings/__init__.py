@@ -6,6 +6,8 @@ from posbench.encodings.base import HOOKS, Encoding, ModelDims
 from posbench.encodings.baselines import Binary, Index, Normalized
 from posbench.encodings.complex_order import ComplexOrder
 from posbench.encodings.composite import Composite
+from posbench.encodings.cope import CoPE
+from posbench.encodings.dape import DAPE
 from posbench.encodings.deberta import DeBERTa
 from posbench.encodings.fire import FIRE
 from posbench.encodings.floater import Floater
@@ -24,6 +26,7 @@ from posbench.encodings.shaw import Shaw
 from posbench.encodings.sinusoidal import Sinusoidal
 from posbench.encodings.sinusoidal_2d import Sinusoidal2D
 from posbench.encodings.ssmax import SSMax
+from posbench.encodings.stick_breaking import StickBreaking
 from posbench.encodings.t5 import T5
 from posbench.encodings.t5_2d import T52D
 from posbench.encodings.temperature import Temperature
@@ -39,7 +42,8 @@ REGISTRY: dict[str, type[Encoding]] = {cls.name: cls for cls in (NoPE, Sinusoida
                                                                Composite,
                                                                Sinusoidal2D, Learned2D, RoPE2D, RoPEMixed, T52D,
                                                                ALiBi2D,
-                                                               FoX, SSMax, Schedule, Temperature, PaTH)}
+                                                               FoX, SSMax, Schedule, Temperature, PaTH,
+                                                               CoPE, DAPE, StickBreaking)}
 
 
 def get_encoding(name: str) -> type[Encoding]:

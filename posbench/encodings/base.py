@@ -64,6 +64,7 @@ class Encoding(nn.Module):
     bias_layers_shared: bool = False  # bias(q_pos, k_pos, layer) is the same for every layer: built once
     position_dims: int = 1  # 1: reads ids [B', L]; 2: reads (row, column) [B', L, 2] (needs a grid task)
     causal_only: bool = False  # refuses a bidirectional model (model.causal=false)
+    reads_query_key: bool = False  # a hook reads q or k themselves, not only their logits (key_term always does)
 
     def __init__(self, dims: ModelDims):
         super().__init__()

@@ -108,9 +108,10 @@ class Composite(Encoding):
         return all(part.bias_relative for part in self.parts_with("bias"))
 
     def shift_invariant(self) -> bool:
-        """Every part relative, and no content term reading q and k another part rotated."""
-        rotated_content = any(rotator is not reader for rotator in self.parts_with("qk")
-                              for reader in self.parts_with("key_term"))
+        """Every part relative, and no part reading the q and k another part rotated (a content term,
+        CoPE's table lookup, PaTH's products)."""
+        readers = [part for part in self.parts if "key_term" in part.hooks or part.reads_query_key]
+        rotated_content = any(rotator is not reader for rotator in self.parts_with("qk") for reader in readers)
         return all(part.relative for part in self.parts) and not rotated_content
 
     def check_position_dims(self) -> int:

@@ -29,6 +29,7 @@ class PaTH(Encoding):
     hooks = frozenset({"logit_transform"})
     relative = True  # reads no position id: the transforms come from content
     causal_only = True
+    reads_query_key = True  # beside a rotation it reads rotated q and k: no longer relative
 
     def __init__(self, dims: ModelDims):
         super().__init__(dims)

@@ -1,0 +1,129 @@
+"""DAPE, data-adaptive positional encoding (Zheng et al. NeurIPS 2024, arXiv 2405.14722; v2 "DAPE V2:
+Process Attention Score as Feature Map", arXiv 2410.04798): a small network that reads every head's
+logits together with a base relative bias and corrects them.
+
+    v1:  A = S + B + f([S; B])     f = Linear(2H, D) -> LeakyReLU -> Linear(D, H) at every (i, j)
+    v2:  A = S + B + g(tril([S; B]))   g = Conv2d(2H, D, (1, k)) -> LeakyReLU -> Conv2d(D, H, (1, k)),
+                                       1 x k kernels along the key axis, padded by k // 2
+    base rope or nope (no bias): A = S + f(S), f (or g) reading the H heads alone
+
+S: the scaled logits q.k / sqrt(d) [B, H, Lq, Lk], finite and before the mask (as the official code,
+chuanyang-Zheng/DAPE megatron/model/positional_embeddings.py, applies it to the scores already times
+1 / sqrt(d)); B: the base's relative bias [H, Lq, Lk] (alibi's -m|i - j| from its linear_bias(), kerple's
+and fire's bias()): the network is nonlinear, so it must see the bias itself, never a per-key rewrite
+such as alibi's causal decay levels (they differ from it by a per-query constant the network does not
+ignore).
+The base is built here with the same model dimensions (its learned parameters belong to dape) and is
+never applied by attention on its own: dape declares no decay or bias hook and adds B itself; with
+base rope, dape owns the qk hook (the base's rotation). D = mlp_width; f and g keep nn's default
+initialisation, as the official code.
+
+v2's tril: entries of keys a query may not see are zeroed before the convolution, so nothing of the
+future reaches it. Each query row is then its visible inputs with zeros on both sides, and both
+convolutions run on that row as if it went on with zeros: the key axis is extended by k // 2 zero
+columns at each end before the first convolution, so the hidden layer next to the row's ends is
+computed from those zeros. A row then reads the same values whatever keys the call covers (a block
+of queries against its key prefix, a sliding window's keys, a memory): chunked evaluation and query
+blocks equal one pass. The official pass instead zero-pads the hidden layer at both ends of its key
+axis: its first k // 2 keys of every row, and the last k // 2 keys of its last k // 2 queries, differ
+from the rows above (the latter is why decoding one query at a time did not reproduce its last row).
+
+The official release's v2 for rope / nope declares 2H input channels but receives H; here it reads H.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from posbench.checks import Integer
+from posbench.encodings.alibi import ALiBi
+from posbench.encodings.base import Encoding, ModelDims, check_choice
+from posbench.encodings.fire import FIRE
+from posbench.encodings.kerple import Kerple
+from posbench.encodings.rope import RoPE
+
+BASES: dict[str, type[Encoding] | None] = {"alibi": ALiBi, "kerple": Kerple, "fire": FIRE, "rope": RoPE,
+                                           "nope": None}
+BIASED = ("alibi", "kerple", "fire")  # bases whose bias the network reads beside the logits
+
+
+class DAPE(Encoding):
+    name = "dape"
+    hooks = frozenset({"logit_transform"})  # the default base kerple's; base rope adds qk
+    relative = True  # as its base: fire is not relative
+
+    def __init__(self, dims: ModelDims, version: int = 1, base: str = "kerple", mlp_width: int = 32,
+                 kernel: int = 3, base_params: dict | None = None):
+        super().__init__(dims)
+        self.version = Integer(1, 2)("encoding.version", version, self.name)
+        check_choice(self.name, "encoding.base", base, BASES)
+        self.mlp_width = Integer(1)("encoding.mlp_width", mlp_width, self.name)
+        self.kernel = Integer(1)("encoding.kernel", kernel, self.name)
+        if self.kernel % 2 == 0:
+            raise ValueError(f"dape: encoding.kernel={kernel}: must be odd (a 1 x k convolution padded by k // 2 "
+                             "on each side keeps the key axis), e.g. 1, 3 or 5")
+        self.base_name = base
+        self.base = build_base(base, dims, dict(base_params or {}))
+        self.hooks = frozenset({"logit_transform", *(("qk",) if base == "rope" else ())})
+        self.relative = self.base is None or self.base.relative
+        heads, width = dims.n_heads, self.mlp_width
+        features = 2 * heads if base in BIASED else heads
+        if self.version == 1:
+            self.net = nn.Sequential(nn.Linear(features, width), nn.LeakyReLU(), nn.Linear(width, heads))
+        else:
+            reach = (0, self.kernel // 2)
+            self.net = nn.Sequential(nn.Conv2d(features, width, (1, self.kernel), padding=reach), nn.LeakyReLU(),
+                                     nn.Conv2d(width, heads, (1, self.kernel), padding=reach))
+
+    def params(self) -> dict:
+        return {"version": self.version, "base": self.base_name, "mlp_width": self.mlp_width,
+                "kernel": self.kernel if self.version == 2 else None,
+                "base_params": self.base.params() if self.base is not None else {}}
+
+    def set_eval_length(self, train_positions: int, eval_positions: int) -> None:
+        if self.base is not None:
+            self.base.set_eval_length(train_positions, eval_positions)
+
+    def qk(self, q, k, q_pos, k_pos, layer):
+        if self.base is None:
+            return q, k
+        return self.base.qk(q, k, q_pos, k_pos, layer)  # declared with base rope (the others leave q, k)
+
+    def logit_transform(self, logits, q, k, call):
+        if self.base_name not in BIASED:
+            return logits + self.correction(logits, call)  # A = S + f(S)
+        bias = self.base_bias(call).to(logits.dtype).expand_as(logits)  # [B, H, Lq, Lk]
+        features = torch.cat([logits, bias], dim=1)  # [S; B]: [B, 2H, Lq, Lk]
+        return logits + bias + self.correction(features, call)  # A = S + B + f([S; B])
+
+    def base_bias(self, call) -> torch.Tensor:
+        """B at the call's positions: [B', H, Lq, Lk]."""
+        if isinstance(self.base, ALiBi):  # -m |i - j| in either layout (a causal alibi's bias() is None: its decay)
+            return self.base.linear_bias(call.q_pos, call.k_pos)
+        return self.base.bias(call.q_pos, call.k_pos, call.layer)
+
+    def correction(self, features: torch.Tensor, call) -> torch.Tensor:
+        """f (v1) or g (v2) of the features [B, C, Lq, Lk] -> [B, H, Lq, Lk]."""
+        if self.version == 1:
+            return self.net(features.movedim(1, -1)).movedim(-1, 1)  # per (i, j) across channels: [B, H, Lq, Lk]
+        visible = call.visible()  # [Lq, Lk] or None
+        if visible is not None:
+            features = features.masked_fill(~visible, 0.0)  # tril: the future never reaches the convolution
+        keys, reach = features.shape[-1], self.kernel // 2
+        extended = F.pad(features, (reach, reach))  # the row goes on with zeros: [B, C, Lq, Lk + 2 reach]
+        return self.net(extended)[..., reach:reach + keys]  # [B, H, Lq, Lk]
+
+
+def build_base(name: str, dims: ModelDims, params: dict) -> Encoding | None:
+    """The base encoding with its parameters (checked against its constructor), or None for nope."""
+    cls = BASES[name]
+    accepted = [] if cls is None else [key for key in inspect.signature(cls.__init__).parameters
+                                        if key not in ("self", "dims")]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise ValueError(f"dape: encoding.base_params has {unknown}, which base {name} does not take; "
+                         f"its parameters: {accepted}")
+    return None if cls is None else cls(dims, **params)

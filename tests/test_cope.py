@@ -1,0 +1,201 @@
+"""CoPE: the logit transform against the paper's algorithm written out with loops (float64), against
+x-transformers' CoPE where installed, and the properties: shift invariance, causality, chunks and
+query blocks equal to one pass, finite gradients, refusals."""
+import math
+import re
+
+import pytest
+import torch
+
+from posbench.attention import AttentionCall, eager, get_backend
+from posbench.model import ModelConfig, Transformer
+from posbench.runner import build
+from tests.helpers import compose_cfg, make_encoding
+
+D_MODEL, HEADS, LENGTH = 16, 2, 9
+HEAD = D_MODEL // HEADS
+
+
+def cope(npos=None, causal=True, seed=0, **kwargs):
+    enc = make_encoding("cope", causal=causal, d_model=D_MODEL, n_heads=HEADS, npos=npos, **kwargs).double()
+    with torch.no_grad():
+        enc.table.normal_(generator=torch.Generator().manual_seed(seed))
+    return enc
+
+
+def qk(length=LENGTH, scale=1.5, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, HEADS, length, HEAD, dtype=torch.float64, generator=gen) * scale for _ in range(2)]
+
+
+def naive_cope(q, k, logits, table, npos, causal):
+    """The official algorithm, one (b, h, i, j) at a time: gates sigmoid(q_i . k_t / sqrt(d)) summed over
+    the keys t from j to i (every key t >= j when bidirectional), clamped to npos - 1, q_i . e[n] read at
+    floor and ceil and interpolated, r added before dividing by sqrt(d)."""
+    batch, heads, length, d = q.shape
+    out = logits.clone()
+    for b in range(batch):
+        for h in range(heads):
+            for i in range(length):
+                def z(n):
+                    return sum(q[b, h, i, c].item() * table[n, c].item() for c in range(d))
+
+                last = i if causal else length - 1
+                for j in range(last + 1):
+                    p = 0.0
+                    for t in range(j, last + 1):
+                        p += 1 / (1 + math.exp(-sum(q[b, h, i, c].item() * k[b, h, t, c].item()
+                                                    for c in range(d)) / math.sqrt(d)))
+                    p = min(p, npos - 1)
+                    low, high = math.floor(p), math.ceil(p)
+                    r = (p - low) * z(high) + (1 - p + low) * z(low)
+                    out[b, h, i, j] = logits[b, h, i, j] + r / math.sqrt(d)
+    return out
+
+
+def visible_part(x, causal):
+    return x.tril() if causal else x  # masked entries: the attention drops them
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("npos", [4, 40])  # 4: most positions clamp to the last row; 40: none do
+def test_matches_the_algorithm_written_out(causal, npos):
+    enc = cope(npos, causal)
+    q, k = qk()
+    pos = torch.arange(LENGTH)[None]
+    extra = torch.randn(2, HEADS, LENGTH, LENGTH, dtype=torch.float64)  # a composite's bias: not in the gates
+    logits = q @ k.transpose(-1, -2) / math.sqrt(HEAD) + extra
+    got = enc.logit_transform(logits, q, k, AttentionCall(enc, pos, pos, 1, causal))
+    expected = naive_cope(q, k, logits, enc.table[1].detach(), npos, causal)
+    torch.testing.assert_close(visible_part(got, causal), visible_part(expected, causal), rtol=0, atol=1e-12)
+
+
+def test_matches_x_transformers_cope():
+    """x-transformers' CoPE returns r from the masked logits; posbench adds r / sqrt(d)."""
+    xt = pytest.importorskip("x_transformers.x_transformers")
+    enc = cope(6)
+    reference = xt.CoPE(dim=HEAD, heads=HEADS, max_pos=6).double()
+    with torch.no_grad():
+        reference.pos_emb.copy_(enc.table[0])
+    q, k = qk()
+    pos = torch.arange(LENGTH)[None]
+    logits = q @ k.transpose(-1, -2) / math.sqrt(HEAD)
+    masked = logits.masked_fill(~torch.ones(LENGTH, LENGTH, dtype=torch.bool).tril(), -torch.finfo(torch.float64).max)
+    expected = logits + reference(q, masked) / math.sqrt(HEAD)
+    got = enc.logit_transform(logits, q, k, AttentionCall(enc, pos, pos, 0, True))
+    torch.testing.assert_close(got.tril(), expected.tril(), rtol=0, atol=1e-12)
+
+
+def test_starts_as_plain_attention():
+    """e starts at zero: the logits are unchanged until it learns."""
+    enc = make_encoding("cope", d_model=D_MODEL, n_heads=HEADS).double()
+    q, k = qk()
+    pos = torch.arange(LENGTH)[None]
+    logits = q @ k.transpose(-1, -2) / math.sqrt(HEAD)
+    assert torch.equal(enc.logit_transform(logits, q, k, AttentionCall(enc, pos, pos, 0, True)), logits)
+
+
+def test_npos_defaults_to_training_positions_plus_one_and_is_recorded():
+    assert make_encoding("cope", max_positions=48).params() == {"npos": 49}
+    assert make_encoding("cope", npos=16).params() == {"npos": 16}
+    built = build(compose_cfg("encoding=cope", "task=copy", "debug=smoke"), torch.device("cpu"))
+    assert built.encoding.npos == built.encoding.dims.train_positions + 1
+    assert built.backend == "eager"
+
+
+def model(causal=True, npos=6, seed=0, dtype=torch.float64, window=None):
+    torch.manual_seed(seed)
+    enc = make_encoding("cope", causal=causal, d_model=32, n_heads=4, npos=npos)
+    for p in enc.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    cfg = ModelConfig(vocab_size=11, d_model=32, n_layers=2, n_heads=4, causal=causal, window=window)
+    return Transformer(cfg, enc, get_backend("auto", enc)).to(dtype)
+
+
+def ids(length=20, batch=2, seed=3):
+    return torch.randint(0, 11, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_shift_of_every_position_changes_nothing(causal):
+    net = model(causal).eval()
+    tokens = ids()
+    base = net(tokens, torch.arange(20)[None])
+    for pos in (torch.arange(20)[None] + 1000, torch.arange(0, 60, 3)[None]):  # shifted, scattered
+        torch.testing.assert_close(net(tokens, pos), base, rtol=0, atol=1e-12)
+
+
+def test_future_tokens_never_change_the_past():
+    net = model().eval()
+    tokens, pos = ids(), torch.arange(20)[None]
+    out = net(tokens, pos)
+    for t in (0, 7, 18):
+        changed = tokens.clone()
+        changed[:, t + 1:] = (changed[:, t + 1:] + 1) % 11
+        torch.testing.assert_close(net(changed, pos)[:, :t + 1], out[:, :t + 1], rtol=0, atol=1e-12)
+        assert not torch.allclose(net(changed, pos)[:, t + 1:], out[:, t + 1:])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_chunked_evaluation_equals_one_pass(causal):
+    net = model(causal).eval()
+    tokens, pos = ids(), torch.arange(20)[None]
+    reference = net(tokens, pos)
+    for chunk in (1, 3, 7, 19):
+        net.set_eval_chunk(chunk)
+        torch.testing.assert_close(net(tokens, pos), reference, rtol=0, atol=1e-12, msg=f"chunk {chunk}")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_chunked_evaluation_with_a_sliding_window_equals_one_pass(causal):
+    """A window of 5 in the first layer (the second global): causal chunks attend keys from their first
+    query's window on, so the rows start inside the key axis."""
+    net = model(causal, window=[5, None]).eval()
+    tokens, pos = ids(length=30), torch.arange(30)[None]
+    reference = net(tokens, pos)
+    for chunk in (1, 4, 7, 29):
+        net.set_eval_chunk(chunk)
+        torch.testing.assert_close(net(tokens, pos), reference, rtol=0, atol=1e-12, msg=f"chunk {chunk}")
+
+
+def test_segment_recurrence_equals_reading_both_segments_at_once():
+    net = model().eval()
+    tokens = ids(length=18)
+    full = net(tokens, torch.arange(18)[None])
+    net.set_eval_chunk(4)
+    first, memory = net.forward_recurrent(tokens[:, :9], None, memory_length=9)
+    second, _ = net.forward_recurrent(tokens[:, 9:], memory, memory_length=9)
+    torch.testing.assert_close(torch.cat([first, second], 1), full, rtol=0, atol=1e-12)
+
+
+def test_query_blocks_in_training_give_the_one_pass_gradients(monkeypatch):
+    def grads(block):
+        monkeypatch.setattr(eager, "EAGER_TRAIN_BLOCK", block)
+        net = model().train()
+        net(ids(), torch.arange(20)[None]).sin().sum().backward()
+        return {name: p.grad for name, p in net.named_parameters()}
+
+    one, blocked = grads(10**9), grads(6)
+    for name, grad in one.items():
+        torch.testing.assert_close(blocked[name], grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_gradients_are_finite_and_reach_the_table():
+    """float32, positions past npos (clamped) and exactly integer positions (gates saturated at 0 and 1)."""
+    net = model(npos=4, dtype=torch.float32).train()
+    with torch.no_grad():
+        net.blocks[0].attn.qkv.weight.mul_(200)  # logits of hundreds: gates exactly 0 or 1
+    net(ids(length=40), torch.arange(40)[None]).logsumexp(-1).sum().backward()
+    for name, p in net.named_parameters():
+        assert torch.isfinite(p.grad).all(), name
+    assert net.encoding.table.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("npos,message", [
+    (1, "cope: encoding.npos=1: must be >= 2, or null (training positions + 1)"),
+    (2.5, "cope: encoding.npos=2.5: must be an integer >= 2, or null (training positions + 1)"),
+    ("many", "cope: encoding.npos='many': must be an integer >= 2, or null (training positions + 1)"),
+])
+def test_bad_npos_is_refused(npos, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_encoding("cope", npos=npos)
