@@ -23,7 +23,9 @@ NOT_RESULT_KEYS = ("seed", "run_name", "logger", "threads", "task.data_dir", "ta
 ADDED_SETTINGS = {"model.activation": "gelu", "model.norm": "layernorm", "model.bias": True,
                   "model.norm_position": "pre", "model.embed_scale": False, "model.window": None,
                   "train.schedule": "cosine",
-                  "encoding.rotary_fraction": 1.0,  # rope's; no other encoding has the key
+                  "encoding.rotary_fraction": 1.0,  # rope's (and self_extend's, which came later)
+                  "encoding.frequency_fraction": 1.0, "encoding.frequency_cut": "none",  # rope's (p-RoPE, HoPE)
+                  "encoding.short_factors": None, "encoding.long_factors": None,  # rope's (longrope)
                   "task.eos": False}  # copy's, reverse's and sort's
 
 

@@ -7,9 +7,12 @@ can compute in float64; where it cannot, the tolerance says why.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from posbench.attention import AttentionCall
 from posbench.encodings.alibi import ALiBi, alibi_slopes
 from posbench.encodings.base import ModelDims
 from posbench.encodings.rope import RoPE, rope_inv_freq, rotate
@@ -128,10 +131,16 @@ def test_alibi_bias_matches_x_transformers(n_heads):
     from x_transformers.x_transformers import AlibiPositionalBias
 
     theirs = AlibiPositionalBias(heads=n_heads)
-    ours = ALiBi(ModelDims(d_model=8 * n_heads, n_heads=n_heads, n_layers=1, max_positions=64, train_positions=64))
+    dims = ModelDims(d_model=8 * n_heads, n_heads=n_heads, n_layers=1, max_positions=64, train_positions=64)
+    ours = ALiBi(dataclasses.replace(dims, causal=False))  # the bias; a causal model takes it as a decay
     lq, lk = 5, 9
     q_pos, k_pos = torch.arange(lk - lq, lk)[None], torch.arange(lk)[None]
     torch.testing.assert_close(ours.bias(q_pos, k_pos, layer=0)[0], theirs(lq, lk), rtol=1e-6, atol=0)
+    causal = ALiBi(dims)
+    levels = causal.decay(AttentionCall(causal, q_pos, k_pos, 0, True))[0]  # c at the keys: [H, Lk]
+    decay = levels[:, lk - lq:, None] - levels[:, None, :]  # c_i - c_j: [H, Lq, Lk]
+    seen = k_pos[0] <= q_pos[0, :, None]  # [Lq, Lk]
+    torch.testing.assert_close(decay[:, seen].float(), theirs(lq, lk)[:, seen], rtol=1e-6, atol=0)
 
     gen = torch.Generator().manual_seed(1)
     q_pos, k_pos = torch.randint(0, 60, (2, lq), generator=gen), torch.randint(0, 60, (2, lk), generator=gen)

@@ -32,7 +32,7 @@ def theta(head_dim: int, base: float, m: int) -> float:
 # --- the scaling functions against their formulas (float64) -----------------------------------
 
 def test_registry_names():
-    assert set(SCALINGS) == {"none", "pi", "ntk", "dynamic_ntk", "yarn"}
+    assert set(SCALINGS) == {"none", "pi", "ntk", "dynamic_ntk", "yarn", "longrope"}
 
 
 @pytest.mark.parametrize("name", sorted(SCALINGS))
@@ -185,7 +185,8 @@ def test_no_scaling_ignores_the_evaluation_length():
     enc.set_eval_length(64, 512)
     assert torch.equal(enc.inv_freq, original) and enc.attention_factor == 1.0
     assert enc.params() == {"base": 10000.0, "layout": "half", "scaling": "none", "scaling_factor": None,
-                            "original_positions": None, "rotary_fraction": 1.0}
+                            "original_positions": None, "rotary_fraction": 1.0, "frequency_fraction": 1.0,
+                            "frequency_cut": "none", "short_factors": None, "long_factors": None}
 
 
 def test_forced_scaling_factor_replaces_the_length_ratio():
@@ -277,7 +278,8 @@ def test_scaling_is_set_from_the_command_line():
     built = build(compose_cfg("encoding=rope", "encoding.scaling=yarn", "encoding.scaling_factor=4"),
                   torch.device("cpu"))
     assert built.encoding.params() == {"base": 10000.0, "layout": "half", "scaling": "yarn", "scaling_factor": 4.0,
-                                       "original_positions": None, "rotary_fraction": 1.0}
+                                       "original_positions": None, "rotary_fraction": 1.0, "frequency_fraction": 1.0,
+                                       "frequency_cut": "none", "short_factors": None, "long_factors": None}
 
 
 # --- HF transformers ROPE_INIT_FUNCTIONS -------------------------------------------------------

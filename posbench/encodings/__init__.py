@@ -22,6 +22,7 @@ from posbench.encodings.rope import RoPE
 from posbench.encodings.rope_2d import RoPE2D, RoPEMixed
 from posbench.encodings.sandwich import Sandwich
 from posbench.encodings.schedule import Schedule
+from posbench.encodings.self_extend import SelfExtend
 from posbench.encodings.shaw import Shaw
 from posbench.encodings.sinusoidal import Sinusoidal
 from posbench.encodings.sinusoidal_2d import Sinusoidal2D
@@ -42,8 +43,9 @@ REGISTRY: dict[str, type[Encoding]] = {cls.name: cls for cls in (NoPE, Sinusoida
                                                                Composite,
                                                                Sinusoidal2D, Learned2D, RoPE2D, RoPEMixed, T52D,
                                                                ALiBi2D,
-                                                               FoX, SSMax, Schedule, Temperature, PaTH,
-                                                               CoPE, DAPE, StickBreaking)}
+                                                               FoX, SSMax,
+                                                               CoPE, DAPE, StickBreaking,
+                                                               SelfExtend, Schedule, Temperature, PaTH)}
 
 
 def get_encoding(name: str) -> type[Encoding]:

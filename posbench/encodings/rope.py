@@ -25,9 +25,25 @@ when L > N (or a forced `scaling_factor`):
                the number of rotations r = N / wavelength the pair makes within N
                (beta_slow = 1, beta_fast = 32; ENCODINGS.md's alpha, beta), attention
                factor 0.1 ln s + 1
+  longrope     LongRoPE (Ding et al. 2024) in Phi-3's form: theta_m / lambda_m with given per-pair
+               factor vectors, `short_factors` while L <= N and `long_factors` past N (strictly);
+               past N the attention factor sqrt(1 + ln s / ln N). The one scaling that acts within
+               N too (its short factors, in training as well); its attention factor stays 1 there
 With f = 1 (no forced factor), ntk and dynamic_ntk give the same base at every length,
 since each evaluation runs whole sequences of one length; a forced factor separates them
 (ntk keeps base * f^(d/(d-2)) at every L > N, dynamic_ntk grows from base at L = N).
+
+Kept frequencies: both rules keep the K highest frequencies of the rotated pairs (theta_m falls
+with m) and set the others to 0, so those pairs never turn (position-independent features), in
+training and in evaluation, whatever the scaling:
+  frequency_fraction p  p-RoPE (Barbero et al. 2025, arXiv 2410.06205; Gemma's rope_proportion,
+               transformers' proportional rope): K = floor(p * d/2), theta_m = base^(-2m/d) with d the
+               rotated size (the whole head unless rotary_fraction < 1). Not rotary_fraction, which
+               recomputes base^(-2m/d') over fewer features and so keeps the lowest frequencies too
+  frequency_cut=hope  HoPE (Chen et al. 2024, arXiv 2410.21216): the pairs that cannot complete one
+               turn within the training positions N, theta_m < 2 pi / N, stop turning (N: the
+               model's train_positions, never the evaluation length)
+With both, the fewer K wins. p = 1 and cut none leave every frequency as it was.
 """
 from __future__ import annotations
 
@@ -36,10 +52,11 @@ from typing import Callable
 
 import torch
 
-from posbench.checks import Integer, Real
+from posbench.checks import Integer, Items, Real
 from posbench.encodings.base import Encoding, ModelDims, check_choice
 
 LAYOUTS = ("half", "interleaved")
+FREQUENCY_CUTS = ("none", "hope")
 YARN_BETA_FAST = 32.0  # pairs making more rotations than this within N keep theta_m
 YARN_BETA_SLOW = 1.0  # pairs making fewer rotations than this within N are fully interpolated
 
@@ -135,25 +152,64 @@ def yarn(head_dim: int, base: float, train_positions: int, eval_positions: int, 
     return inv_freq, attention_factor
 
 
+def longrope(head_dim: int, base: float, train_positions: int, eval_positions: int,
+             scaling_factor: float | None = None, short_factors: list[float] | None = None,
+             long_factors: list[float] | None = None) -> tuple[torch.Tensor, float]:
+    """theta_m / lambda_m, lambda = short_factors while L <= N, long_factors past N (strictly, as
+    transformers' Phi-3 rule); past N the attention factor m = sqrt(1 + ln s / ln N), s = L / N or the
+    forced factor (Phi-3 takes it from the configured target length), multiplying cos and sin, so the
+    logits by m^2. Within N: the short factors and m = 1 (the trained model). Unset factors: short
+    lambda = 1 (theta_m), long lambda = s for every pair (position interpolation, where LongRoPE's
+    search starts). The first-n-hat-positions rule of the paper is not applied."""
+    theta = rope_inv_freq(head_dim, base)  # [d/2]
+    if eval_positions <= train_positions:
+        return (theta if short_factors is None else theta / torch.tensor(short_factors, dtype=torch.float64)), 1.0
+    if train_positions < 2:
+        raise ValueError(f"longrope's attention factor sqrt(1 + ln s / ln N) needs N >= 2 training positions, "
+                         f"got N = {train_positions}")
+    scale = length_scale(train_positions, eval_positions, scaling_factor)
+    factors = torch.full_like(theta, scale) if long_factors is None else torch.tensor(long_factors, dtype=torch.float64)
+    attention_factor = math.sqrt(1 + math.log(scale) / math.log(train_positions)) if scale > 1 else 1.0
+    return theta / factors, attention_factor
+
+
 SCALINGS: dict[str, ScalingFn] = {
     "none": no_scaling,
     "pi": position_interpolation,
     "ntk": ntk_aware,
     "dynamic_ntk": dynamic_ntk,
     "yarn": yarn,
+    "longrope": longrope,
 }
+WITHIN_TRAINING = frozenset({"longrope"})  # scalings with their own rule at L <= N (the others: theta_m there)
+FACTOR_LISTS = {"short_factors": "every lambda_m = 1", "long_factors": "every lambda_m = s"}  # longrope's -> null
+
+
+def kept_pairs(rotary_dim: int, base: float, frequency_fraction: float, frequency_cut: str,
+               train_positions: int) -> int:
+    """K: how many of the rotated pairs keep turning, the highest frequencies (m < K). p-RoPE keeps
+    floor(p * d/2) (transformers' int(p * d // 2)); HoPE those with theta_m >= 2 pi / N; both: the fewer."""
+    kept = math.floor(frequency_fraction * rotary_dim / 2)
+    if frequency_cut == "hope":
+        turning = rope_inv_freq(rotary_dim, base) >= 2 * math.pi / train_positions  # [d/2], True first
+        kept = min(kept, int(turning.sum()))
+    return kept
 
 
 class RoPE(Encoding):
-    """scaling: applied by set_eval_length for evaluation lengths beyond the training length only;
-    training and evaluation within the training length use the unscaled frequencies.
-    scaling_factor: forces s for pi / ntk / yarn (instead of L / N) at every evaluation length
-    beyond training; for dynamic_ntk it is transformers' `factor` f (default 1).
+    """scaling: applied by set_eval_length for evaluation lengths beyond the training length only
+    (longrope: its short factors within it); training and evaluation within the training length
+    use the unscaled frequencies.
+    scaling_factor: forces s for pi / ntk / yarn / longrope (instead of L / N) at every evaluation
+    length beyond training; for dynamic_ntk it is transformers' `factor` f (default 1).
     original_positions: the context (tokens) the frequencies were first trained at, for
     fine-tuning a checkpoint at a longer N as Chen et al. do: the scaling then acts against
     it, in training (s = this run's training positions / original_positions) and evaluation
     (that s at every length up to the training one, L / original_positions past it).
-    rotary_fraction: the share of each head's features that rotate (the first ones); 1 rotates all."""
+    rotary_fraction: the share of each head's features that rotate (the first ones); 1 rotates all.
+    frequency_fraction, frequency_cut: which rotated pairs keep their frequency (p-RoPE, HoPE; the
+    module docstring); the others get frequency 0.
+    short_factors, long_factors: longrope's lambda_m, one per rotated pair (null: 1, and s)."""
 
     name = "rope"
     hooks = frozenset({"qk"})
@@ -161,17 +217,20 @@ class RoPE(Encoding):
 
     def __init__(self, dims: ModelDims, base: float = 10000.0, layout: str = "half", scaling: str = "none",
                  scaling_factor: float | None = None, original_positions: int | None = None,
-                 rotary_fraction: float = 1.0):
+                 rotary_fraction: float = 1.0, frequency_fraction: float = 1.0, frequency_cut: str = "none",
+                 short_factors: list[float] | None = None, long_factors: list[float] | None = None):
         super().__init__(dims)
-        check_choice("rope", "encoding.layout", layout, LAYOUTS)
-        check_choice("rope", "encoding.scaling", scaling, SCALINGS)
+        check_choice(self.name, "encoding.layout", layout, LAYOUTS)
+        check_choice(self.name, "encoding.scaling", scaling, SCALINGS)
+        check_choice(self.name, "encoding.frequency_cut", frequency_cut, FREQUENCY_CUTS)
         base = Real(above=1)("encoding.base", base, self.name)  # theta_m = base^(-2m/d) must fall with m
         scaling_factor = Real(least=1, null="L / N")("encoding.scaling_factor", scaling_factor, self.name)
         original_positions = Integer(1, null="this run's training length")("encoding.original_positions",
                                                                            original_positions, self.name)
         rotary_fraction = Real(above=0, most=1)("encoding.rotary_fraction", rotary_fraction, self.name)
+        frequency_fraction = Real(least=0, most=1)("encoding.frequency_fraction", frequency_fraction, self.name)
         if dims.head_dim % 2:
-            raise ValueError(f"rope rotates feature pairs and needs an even head size, got "
+            raise ValueError(f"{self.name} rotates feature pairs and needs an even head size, got "
                              f"model.d_model / model.n_heads = {dims.d_model}/{dims.n_heads} = {dims.head_dim}; "
                              "change model.d_model or model.n_heads")
         if scaling_factor is not None and scaling == "none":
@@ -182,27 +241,54 @@ class RoPE(Encoding):
                              f"{[s for s in SCALINGS if s != 'none']}")
         self.rotary_dim = round(rotary_fraction * dims.head_dim)
         if self.rotary_dim < 2 or self.rotary_dim % 2:
-            raise ValueError(f"rope: encoding.rotary_fraction={rotary_fraction} rotates round({rotary_fraction} * "
-                             f"{dims.head_dim}) = {self.rotary_dim} features of the head size {dims.head_dim} "
+            raise ValueError(f"{self.name}: encoding.rotary_fraction={rotary_fraction} rotates round({rotary_fraction}"
+                             f" * {dims.head_dim}) = {self.rotary_dim} features of the head size {dims.head_dim} "
                              "(model.d_model / model.n_heads); features rotate in pairs, so that must be even and >= 2")
+        self.factor_lists = {key: self.check_factors(key, value, scaling)
+                             for key, value in (("short_factors", short_factors), ("long_factors", long_factors))}
         self.original_positions, self.scaling_factor = original_positions, scaling_factor
         self.base, self.layout, self.scaling, self.rotary_fraction = base, layout, scaling, rotary_fraction
-        SCALINGS[scaling](self.rotary_dim, self.base, 1, 2, self.scaling_factor)  # a bad setting fails before training
+        self.frequency_fraction, self.frequency_cut = frequency_fraction, frequency_cut
+        self.kept_pairs = kept_pairs(self.rotary_dim, base, frequency_fraction, frequency_cut, dims.train_positions)
+        reference = original_positions or dims.train_positions
+        self.frequencies(scaling, reference, 2 * reference)  # a bad setting fails before training
         self.register_buffer("inv_freq", rope_inv_freq(self.rotary_dim, self.base), persistent=False)
         self.attention_factor = 1.0
+        self.set_eval_length(dims.train_positions, dims.train_positions)  # training's frequencies
+
+    def check_factors(self, key: str, factors, scaling: str) -> list[float] | None:
+        """A longrope factor list: one positive lambda_m per rotated pair, and only with scaling=longrope."""
+        factors = Items(Real(above=0), null=FACTOR_LISTS[key])(f"encoding.{key}", factors, self.name)
+        if factors is None:
+            return None
+        if scaling != "longrope":
+            raise ValueError(f"rope: encoding.{key}={factors} has no effect with scaling={scaling}; "
+                             "set encoding.scaling=longrope or drop the factors")
+        if len(factors) != self.rotary_dim // 2:
+            raise ValueError(f"rope: encoding.{key}={factors} has {len(factors)} factors; longrope needs one per "
+                             f"rotated pair, rotary_dim / 2 = {self.rotary_dim // 2}")
+        return factors
 
     def params(self) -> dict:
         return {"base": self.base, "layout": self.layout, "scaling": self.scaling,
                 "scaling_factor": self.scaling_factor, "original_positions": self.original_positions,
-                "rotary_fraction": self.rotary_fraction}
+                "rotary_fraction": self.rotary_fraction, "frequency_fraction": self.frequency_fraction,
+                "frequency_cut": self.frequency_cut, **self.factor_lists}
+
+    def frequencies(self, scaling: str, train_positions: int, eval_positions: int) -> tuple[torch.Tensor, float]:
+        """The scaling's (inv_freq [d'/2] float64, attention factor), the pairs past kept_pairs at frequency 0."""
+        options = self.factor_lists if scaling == "longrope" else {}
+        inv_freq, attention_factor = SCALINGS[scaling](self.rotary_dim, self.base, train_positions, eval_positions,
+                                                       self.scaling_factor, **options)
+        inv_freq[self.kept_pairs:] = 0.0  # p-RoPE / HoPE: these pairs never turn (nothing when all are kept)
+        return inv_freq, attention_factor
 
     def set_eval_length(self, train_positions: int, eval_positions: int) -> None:
         reference = train_positions
         if self.original_positions:  # fine-tuned: never less scaling than the training used
             reference, eval_positions = self.original_positions, max(eval_positions, train_positions)
-        scaling = self.scaling if eval_positions > reference else "none"
-        inv_freq, self.attention_factor = SCALINGS[scaling](self.rotary_dim, self.base, reference,
-                                                            eval_positions, self.scaling_factor)
+        scaling = self.scaling if eval_positions > reference or self.scaling in WITHIN_TRAINING else "none"
+        inv_freq, self.attention_factor = self.frequencies(scaling, reference, eval_positions)
         self.inv_freq = inv_freq.to(device=self.inv_freq.device, dtype=self.inv_freq.dtype)
 
     def train(self, mode: bool = True):
@@ -219,6 +305,6 @@ class RoPE(Encoding):
 
     def qk(self, q, k, q_pos, k_pos, layer):
         q, k = self.rotate_head(q, q_pos), self.rotate_head(k, k_pos)
-        if self.attention_factor != 1.0:  # YaRN: q and k scaled, so the logits by its square
+        if self.attention_factor != 1.0:  # YaRN, LongRoPE: q and k scaled, so the logits by its square
             q, k = q * self.attention_factor, k * self.attention_factor
         return q, k

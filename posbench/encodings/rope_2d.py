@@ -72,7 +72,7 @@ def check_rope_2d(name: str, dims: ModelDims, base: float, layout: str, scaling:
     if scaling_factor is not None and scaling == "none":
         raise ValueError(f"{name}: encoding.scaling_factor={scaling_factor} needs a scaling among "
                          f"{[s for s in SCALINGS if s != 'none']}")
-    SCALINGS[scaling](dims.head_dim // 2, base, 1, 2, scaling_factor)  # a bad setting fails before training
+    SCALINGS[scaling](dims.head_dim // 2, base, 2, 4, scaling_factor)  # a bad setting fails before training
 
 
 def eval_sides(train_positions: int, eval_positions: int) -> tuple[int, int]:
