@@ -3,7 +3,8 @@
     python scripts/benchmark_scale.py train [--lengths 1024,2048] [--encodings ...] [--rounds 3]
     python scripts/benchmark_scale.py eval [--lengths 4096] [--encodings ...] [--rounds 3]
     python scripts/benchmark_scale.py long [--tokens 4096,16384,32768] [--encodings ...]
-    (each with --out FILE.csv)
+    (each with --out FILE.csv; an --encodings entry may be a variant, name+key=value, e.g.
+    rope+frequency_fraction=0.25)
     python scripts/benchmark_scale.py figure --train A.csv,B.csv --long C.csv --out scale.png
 
 train, eval: one process, one thread, every model built first, then rounds that time each
@@ -48,13 +49,20 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def encoding_overrides(spec: str) -> list[str]:
+    """An --encodings entry as overrides: `name` or `name+key=value+...` (a variant, e.g.
+    rope+frequency_fraction=0.25 for p-RoPE) -> ["encoding=name", "encoding.key=value", ...]."""
+    name, *settings = spec.split("+")
+    return [f"encoding={name}", *(f"encoding.{setting}" for setting in settings)]
+
+
 def build_posbench(encoding: str, tokens: int):
     import torch
 
     from posbench.runner import build, make_optimizer
     from scripts.benchmark_encodings import compose_cfg
 
-    cfg = compose_cfg([f"encoding={encoding}", f"train.length={(tokens - 1) // 2}", "device=cpu", *SHAPE])
+    cfg = compose_cfg([*encoding_overrides(encoding), f"train.length={(tokens - 1) // 2}", "device=cpu", *SHAPE])
     built = build(cfg, torch.device("cpu"))
     return built, make_optimizer(built.model, cfg.train), cfg
 
@@ -158,8 +166,8 @@ def long_evaluation(args) -> list[dict]:
         for encoding in args.encodings:
             length = (tokens - 1) // 2  # copy: [BOS] x SEP y, 2n + 1 tokens
             with tempfile.TemporaryDirectory() as run_dir:
-                command = [sys.executable, "-m", "posbench", f"encoding={encoding}", "task=copy", "train.length=128",
-                           "train.steps=0",
+                command = [sys.executable, "-m", "posbench", *encoding_overrides(encoding), "task=copy",
+                           "train.length=128", "train.steps=0",
                            f"eval.lengths=[{length}]", "eval.samples=1", "eval.batch_size=1", "threads=1",
                            "train.save_checkpoint=false", f"hydra.run.dir={run_dir}"]
                 began = time.perf_counter()
@@ -253,7 +261,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("part", choices=["train", "eval", "long", "figure"])
     parser.add_argument("--train", help="figure: comma-separated CSVs of the train part")
     parser.add_argument("--long", help="figure: the CSV of the long part")
-    parser.add_argument("--encodings", help="comma-separated registry names (default: all); nope is always added")
+    parser.add_argument("--encodings", help="comma-separated registry names, or variants name+key=value "
+                                            "(default: every 1-D encoding); nope is always added")
     parser.add_argument("--lengths", default=None, help="train/eval: tokens per sequence (default 1024,2048 / 4096)")
     parser.add_argument("--tokens", default="4096,16384,32768", help="long: tokens per sequence")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (one untimed round first)")
@@ -266,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         figure(args.train.split(","), args.long, args.out)
         return
     names = args.encodings.split(",") if args.encodings else [n for n, c in REGISTRY.items() if c.position_dims == 1]
-    unknown = sorted(set(names) - set(REGISTRY))
+    unknown = sorted({name.split("+")[0] for name in names} - set(REGISTRY))
     if unknown:
         raise SystemExit(f"--encodings: unknown {unknown}; registered: {sorted(REGISTRY)}")
     args.encodings = [FLOOR] + [n for n in dict.fromkeys(names) if n != FLOOR]

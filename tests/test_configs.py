@@ -31,6 +31,10 @@ def test_every_encoding_and_task_builds(encoding, task, wikitext_release):
         with pytest.raises(ValueError, match=f"encoding {encoding} reads .* needs a grid task"):
             build(cfg, torch.device("cpu"))
         return
+    if ENCODINGS[encoding].causal_only and not cfg.model.causal:  # a causal-only encoding in an encoder
+        with pytest.raises(ValueError, match=f"{encoding}: .*set model.causal=true"):
+            build(cfg, torch.device("cpu"))
+        return
     built = build(cfg, torch.device("cpu"))
     assert built.encoding.name == encoding and built.task.name == task
     n = built.task.default_length

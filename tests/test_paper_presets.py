@@ -44,7 +44,7 @@ def test_kazemnejad_copy_holds_the_papers_protocol():
     assert cfg.task.eos is True  # their generation must stop after the answer, so the EOS is scored
     assert dict(cfg.model) == {"d_model": 768, "n_layers": 12, "n_heads": 12, "mlp_ratio": 4, "causal": True,
                                "dropout": 0.1, "activation": "relu", "norm": "rmsnorm", "bias": False,
-                               "norm_position": "pre", "embed_scale": False}
+                               "norm_position": "pre", "embed_scale": False, "window": None}
     train = cfg.train
     assert (train.length, train.lengths, train.steps, train.batch_size) == (20, "uniform", 40000, 64)
     assert (train.lr, train.warmup_steps, train.weight_decay) == (3e-5, 2400, 0.05)
@@ -98,7 +98,7 @@ def test_ruoss_chomsky_holds_the_papers_protocol():
     cfg = compose_cfg("experiment=ruoss_chomsky")
     assert dict(cfg.model) == {"d_model": 64, "n_layers": 5, "n_heads": 8, "mlp_ratio": 4, "causal": False,
                                "dropout": 0.1, "activation": "relu", "norm": "layernorm", "bias": True,
-                               "norm_position": "post", "embed_scale": True}
+                               "norm_position": "post", "embed_scale": True, "window": None}
     train = cfg.train
     assert (train.length, train.lengths, train.batch_size, train.max_position) == (40, "uniform", 128, 2048)
     assert (train.lr, train.weight_decay, train.grad_clip, train.min_lr_ratio) == (1e-3, 0.0, 1.0, 1.0)
@@ -121,7 +121,7 @@ def test_alibi_wikitext103_holds_the_papers_protocol():
     assert task.data_dir == os.environ.get("POSBENCH_WIKITEXT_DIR")  # the hub unless a local copy is named
     assert dict(cfg.model) == {"d_model": 1024, "n_layers": 16, "n_heads": 8, "mlp_ratio": 4, "causal": True,
                                "dropout": 0.3, "activation": "relu", "norm": "layernorm", "bias": True,
-                               "norm_position": "pre", "embed_scale": False}
+                               "norm_position": "pre", "embed_scale": False, "window": None}
     train = cfg.train
     assert (train.length, train.lengths, train.steps, train.batch_size) == (512, "fixed", 286000, 18)
     assert (train.warmup_steps, train.grad_clip) == (16000, 0.1)
