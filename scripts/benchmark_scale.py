@@ -132,6 +132,7 @@ def interleaved(args, training: bool) -> list[dict]:
     import torch
 
     torch.set_num_threads(1)
+    torch.set_flush_denormal(True)  # as posbench.runner.run
     rows = []
     for tokens in args.lengths:
         steps, backends = {}, {}
