@@ -103,12 +103,12 @@ def test_npos_defaults_to_training_positions_plus_one_and_is_recorded():
     assert built.backend == "eager"
 
 
-def model(causal=True, npos=6, seed=0, dtype=torch.float64, window=None):
+def model(causal=True, npos=6, seed=0, dtype=torch.float64):
     torch.manual_seed(seed)
     enc = make_encoding("cope", causal=causal, d_model=32, n_heads=4, npos=npos)
     for p in enc.parameters():
         torch.nn.init.normal_(p, std=0.5)
-    cfg = ModelConfig(vocab_size=11, d_model=32, n_layers=2, n_heads=4, causal=causal, window=window)
+    cfg = ModelConfig(vocab_size=11, d_model=32, n_layers=2, n_heads=4, causal=causal)
     return Transformer(cfg, enc, get_backend("auto", enc)).to(dtype)
 
 
@@ -142,18 +142,6 @@ def test_chunked_evaluation_equals_one_pass(causal):
     tokens, pos = ids(), torch.arange(20)[None]
     reference = net(tokens, pos)
     for chunk in (1, 3, 7, 19):
-        net.set_eval_chunk(chunk)
-        torch.testing.assert_close(net(tokens, pos), reference, rtol=0, atol=1e-12, msg=f"chunk {chunk}")
-
-
-@pytest.mark.parametrize("causal", [True, False])
-def test_chunked_evaluation_with_a_sliding_window_equals_one_pass(causal):
-    """A window of 5 in the first layer (the second global): causal chunks attend keys from their first
-    query's window on, so the rows start inside the key axis."""
-    net = model(causal, window=[5, None]).eval()
-    tokens, pos = ids(length=30), torch.arange(30)[None]
-    reference = net(tokens, pos)
-    for chunk in (1, 4, 7, 29):
         net.set_eval_chunk(chunk)
         torch.testing.assert_close(net(tokens, pos), reference, rtol=0, atol=1e-12, msg=f"chunk {chunk}")
 

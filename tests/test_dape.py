@@ -193,12 +193,12 @@ def test_params_record_the_base_and_its_settings():
     assert {name for name, _ in make_encoding("dape").named_parameters()} >= {"base.raw_r1", "base.raw_r2"}
 
 
-def model(version=1, base="kerple", causal=True, kernel=3, dtype=torch.float64, window=None):
+def model(version=1, base="kerple", causal=True, kernel=3, dtype=torch.float64):
     torch.manual_seed(0)
     enc = make_encoding("dape", causal=causal, d_model=32, n_heads=4, version=version, base=base, kernel=kernel)
     for p in enc.parameters():
         torch.nn.init.normal_(p, std=0.5)
-    cfg = ModelConfig(vocab_size=11, d_model=32, n_layers=2, n_heads=4, causal=causal, window=window)
+    cfg = ModelConfig(vocab_size=11, d_model=32, n_layers=2, n_heads=4, causal=causal)
     return Transformer(cfg, enc, get_backend("auto", enc)).to(dtype)
 
 
@@ -245,18 +245,6 @@ def test_chunked_evaluation_equals_one_pass(version, base, causal):
             net.set_eval_chunk(chunk)
             torch.testing.assert_close(net(tokens, pos), reference, rtol=0, atol=1e-10,
                                        msg=f"kernel {kernel}, chunk {chunk}")
-
-
-@pytest.mark.parametrize("causal", [True, False])
-def test_chunked_evaluation_with_a_sliding_window_equals_one_pass(causal):
-    """A window of 5 in the first layer (the second global): causal chunks attend keys from their first
-    query's window on, so the rows start inside the key axis."""
-    net = model(2, "alibi", causal, kernel=5, window=[5, None]).eval()
-    tokens, pos = ids(length=30), torch.arange(30)[None]
-    reference = net(tokens, pos)
-    for chunk in (1, 4, 7, 29):
-        net.set_eval_chunk(chunk)
-        torch.testing.assert_close(net(tokens, pos), reference, rtol=0, atol=1e-12, msg=f"chunk {chunk}")
 
 
 def test_segment_recurrence_equals_reading_both_segments_at_once():

@@ -58,6 +58,18 @@ def test_chunked_evaluation_with_scattered_and_per_sequence_positions(name):
             torch.testing.assert_close(model(ids_for(length=17), pos), reference, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("name,causal", with_layouts(ALL))
+def test_chunked_evaluation_with_a_sliding_window_equals_one_pass(name, causal):
+    """A window of 5 in the first layer, the second global: causal chunks read the keys from their first
+    query's window on, so every hook meets rows that start inside the key axis."""
+    pos = positions_for(name, LENGTH)
+    for backend in backends_for(name):
+        model = trained_looking_model(name, backend, causal, window=[5, None]).eval()
+        reference = model(ids_for(), pos)
+        model.set_eval_chunk(7)
+        torch.testing.assert_close(model(ids_for(), pos), reference, rtol=0, atol=1e-10, msg=backend)
+
+
 def test_auto_chunk_splits_long_evaluations(monkeypatch):
     monkeypatch.setattr(layer, "AUTO_CHUNK_ELEMENTS", 2 * 4 * LENGTH * 6)  # B x H x Lk x 6 queries (eager)
     monkeypatch.setattr(layer, "MIN_AUTO_CHUNK", 1)

@@ -33,7 +33,8 @@ class AttentionCall:
     q_start: int = -1  # the key index of the first query (-1: Lk - Lq, the queries last)
     bias: torch.Tensor | None = None  # [B', H, Lq, Lk] when the caller built it; else the backend builds it
     mask_in_bias: bool = False  # the bias holds -inf where a causal query may not look
-    x: torch.Tensor | None = None  # the layer's input at the keys [B, Lk, D] (what q, k and v were projected from)
+    x: torch.Tensor | None = None  # the layer's input up to the last key [B, first_key + Lk, D] (q, k, v's source)
+    first_key: int = 0  # the index of the call's first key in the layer's keys (a window's chunk starts past 0)
     q_levels: torch.Tensor | None = None  # decay levels c at the queries [B|1, H, Lq]: bias c_i - c_j
     k_levels: torch.Tensor | None = None  # decay levels c at the keys [B|1, H, Lk]
 
@@ -67,8 +68,8 @@ class AttentionCall:
 
         return dataclasses.replace(
             self, q_pos=self.q_pos[:, start:stop], k_pos=self.k_pos[:, first:end], bias=bias,
-            mask_in_bias=mask_in_bias, q_start=self.q_start + start - first,
-            x=None if self.x is None else self.x[:, first:end],
+            mask_in_bias=mask_in_bias, q_start=self.q_start + start - first, first_key=self.first_key + first,
+            x=None if self.x is None else self.x[:, :self.first_key + end],  # from the start: a convolution's context
             q_levels=None if self.q_levels is None else self.q_levels[..., start:stop], k_levels=keys(self.k_levels))
 
 

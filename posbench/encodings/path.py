@@ -58,7 +58,8 @@ class PaTH(Encoding):
         return w, beta
 
     def logit_transform(self, logits, q, k, call):
-        w, beta = self.householder(call.x, call.layer)  # [B, H, Lk, d], [B, H, Lk]
+        w, beta = self.householder(call.x, call.layer)  # from the first input: [B, H, first_key + Lk, d]
+        w, beta = w[..., call.first_key:, :], beta[..., call.first_key:]  # the call's keys: [B, H, Lk, d], [B, H, Lk]
         scale = self.logit_scale(q.shape[-1])
         plain = q @ k.transpose(-1, -2)  # [B, H, Lq, Lk]
         return logits + (path_products(q, k, w, beta, call.q_start) - plain) * scale
