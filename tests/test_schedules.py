@@ -176,3 +176,20 @@ def test_sdpa_window_mask_is_four_dimensional(monkeypatch):
     attn = Attention(D_MODEL, HEADS, 0, enc, get_backend("sdpa"), True, window=3)
     attn(torch.randn(1, 6, D_MODEL), PositionContext(enc, torch.arange(6)[None]))
     assert seen == [(4, False)]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_keys_seen_counts_the_visible_keys_of_every_block(causal):
+    """keys_seen() equals the count of the call's visible keys, for whole calls and for the blocks a
+    chunked evaluation makes (keys from the window's start on)."""
+    enc = make_encoding("nope", d_model=D_MODEL, n_heads=HEADS, causal=causal)
+    pos = torch.arange(20)[None]
+    for window in (None, 4):
+        call = AttentionCall(enc, pos, pos, 0, causal, window)
+        torch.testing.assert_close(call.keys_seen(), call.visible().sum(-1) if call.visible() is not None
+                                   else torch.full((20,), 20))
+        for start, stop in ((0, 7), (7, 14), (14, 20)):
+            end = stop if causal else 20
+            first = max(0, start - window + 1) if causal and window else 0
+            block = call.block(start, stop, first, end, None, False)
+            assert block.keys_seen().tolist() == call.keys_seen()[start:stop].tolist()

@@ -17,7 +17,6 @@ def causal_mask(lq: int, lk: int, device) -> torch.Tensor:
     return torch.ones(lq, lk, dtype=torch.bool, device=device).tril(diagonal=lk - lq)
 
 
-
 @dataclass
 class AttentionCall:
     """One call of attention: queries at q_pos [B', Lq], keys at k_pos [B', Lk], the queries at key
@@ -53,12 +52,16 @@ class AttentionCall:
         return seen if self.window is None else seen & (offset.abs() < self.window)
 
     def keys_seen(self) -> torch.Tensor:
-        """How many keys each query attends: [Lq] (causal: its index among the keys + 1; at most the window)."""
+        """How many keys each query attends: [Lq] (causal: its index among the layer's keys + 1), within the window."""
         lq, lk = self.q_pos.shape[1], self.k_pos.shape[1]
-        if not self.causal:
-            return torch.full((lq,), lk, device=self.q_pos.device)  # [Lq] (a window: the keys it reaches)
-        seen = torch.arange(self.q_start + 1, self.q_start + lq + 1, device=self.q_pos.device)  # [Lq]
-        return seen if self.window is None else seen.clamp(max=self.window)
+        first = self.first_key + self.q_start  # the first query's index among the layer's keys
+        i = torch.arange(first, first + lq, device=self.q_pos.device)  # [Lq]
+        if self.causal:
+            return i + 1 if self.window is None else (i + 1).clamp(max=self.window)
+        if self.window is None:
+            return torch.full((lq,), lk, device=self.q_pos.device)  # [Lq]
+        last = self.first_key + lk  # keys first_key.. of the layer's, every one within reach of a query here
+        return (i + self.window).clamp(max=last) - (i - self.window + 1).clamp(min=0)  # |i - j| < window
 
     def block(self, start: int, stop: int, first: int, end: int, bias: torch.Tensor | None,
               mask_in_bias: bool) -> AttentionCall:
