@@ -41,7 +41,6 @@ HOOKS: dict[str, Hook] = {hook.name: hook for hook in (
     Hook("prob", "a modulation of the attention probabilities", frozenset({"eager"}), True, "sequence"),
     Hook("value_term", "a term added to p.V", frozenset({"eager"}), True, "sum"),
 )}
-ORDER = tuple(HOOKS)
 
 
 def backend_hooks(backend: str) -> frozenset[str]:

@@ -7,12 +7,12 @@ import torch
 
 from posbench.attention.context import AttentionCall
 from posbench.encodings.base import Encoding
-from posbench.hooks import backend_hooks, backends_for
+from posbench.hooks import backends_for
 
 
 class Backend:
     name = ""
-    supported_hooks: frozenset[str] = frozenset()  # from the hook table: backend_hooks(name)
+    supported_hooks: frozenset[str] = frozenset()  # from the hook table: posbench.hooks.backend_hooks(name)
     takes_bias = True  # the caller builds the bias tensor (flex builds its own score_mod instead)
     runs_windows = True  # runs a sliding window (AttentionCall.window)
     train_block: int | None = None  # queries per block of a causal layer with logits in training (None: one call)
@@ -40,5 +40,3 @@ def call_bias(call: AttentionCall) -> torch.Tensor | None:
         return call.encoding.bias(call.q_pos, call.k_pos, call.layer)
     return call.bias
 
-
-__all__ = ["Backend", "backend_hooks", "call_bias"]

@@ -1,7 +1,8 @@
 """The eager backend: the logits materialised, every hook in the table's order. The reference."""
 from __future__ import annotations
 
-from posbench.attention.backend import Backend, backend_hooks, call_bias
+from posbench.attention.backend import Backend, call_bias
+from posbench.hooks import backend_hooks
 
 EAGER_TRAIN_BLOCK = 128  # queries per block of a causal eager layer in training
 

@@ -16,9 +16,9 @@ import functools
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from posbench.attention.backend import Backend, backend_hooks
+from posbench.attention.backend import Backend
 from posbench.encodings.base import Encoding
-from posbench.hooks import backends_for
+from posbench.hooks import backend_hooks, backends_for
 
 BLOCK = 128  # queries and keys per block of the block mask (FlexAttention's default)
 CPU_TRAINING = ("backend=flex trains on CUDA only; on CPU it evaluates (forward only); "

@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from posbench.attention.backend import Backend, backend_hooks, call_bias
+from posbench.attention.backend import Backend, call_bias
 from posbench.attention.context import AttentionCall, causal_mask
 from posbench.attention.fused_cpu import FusedBiasAttention, fused_causal_block, fused_cpu_ok
+from posbench.hooks import backend_hooks
 
 
 def with_decay_column(q, k, v, call: AttentionCall, scale: float):
