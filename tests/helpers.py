@@ -151,3 +151,38 @@ def random_qk(heads: int, length: int, head_dim: int, dtype=torch.float64, seed:
     gen = torch.Generator().manual_seed(seed)
     shape = (2, heads, length, head_dim)
     return torch.randn(shape, generator=gen, dtype=dtype), torch.randn(shape, generator=gen, dtype=dtype)
+
+
+def assert_chunks_equal_one_pass(net: Transformer, tokens, pos, chunks, atol: float = 1e-12) -> None:
+    """Evaluation in chunks of queries gives the logits of one pass, for every chunk size."""
+    reference = net(tokens, pos)
+    for chunk in chunks:
+        net.set_eval_chunk(chunk)
+        torch.testing.assert_close(net(tokens, pos), reference, rtol=0, atol=atol, msg=f"chunk {chunk}")
+    net.set_eval_chunk(None)
+
+
+def assert_recurrence_equals_one_pass(net: Transformer, tokens) -> None:
+    """Two segments, the second reading the first as memory (chunked), give the logits of one pass over both."""
+    half = tokens.shape[1] // 2
+    full = net(tokens, torch.arange(tokens.shape[1])[None])
+    net.set_eval_chunk(4)
+    first, memory = net.forward_recurrent(tokens[:, :half], None, memory_length=half)
+    second, _ = net.forward_recurrent(tokens[:, half:], memory, memory_length=half)
+    torch.testing.assert_close(torch.cat([first, second], 1), full, rtol=0, atol=1e-12)
+
+
+def assert_query_blocks_give_one_pass_gradients(make_net, tokens, monkeypatch, rtol=1e-9, atol=1e-12) -> None:
+    """Training in eager query blocks of 6 gives every parameter the gradient of one pass."""
+    from posbench.attention import eager
+
+    def grads(block):
+        monkeypatch.setattr(eager, "EAGER_TRAIN_BLOCK", block)
+        net = make_net().train()
+        net(tokens, torch.arange(tokens.shape[1])[None]).sin().sum().backward()
+        return {name: p.grad for name, p in net.named_parameters()}
+
+    one, blocked = grads(10**9), grads(6)
+    for name, grad in one.items():
+        torch.testing.assert_close(blocked[name], grad, rtol=rtol, atol=atol, msg=name)
+

@@ -7,10 +7,11 @@ import re
 import pytest
 import torch
 
-from posbench.attention import AttentionCall, eager, get_backend
+from posbench.attention import AttentionCall, get_backend
 from posbench.model import ModelConfig, Transformer
 from posbench.runner import build
-from tests.helpers import compose_cfg, make_encoding
+from tests.helpers import (assert_chunks_equal_one_pass, assert_query_blocks_give_one_pass_gradients,
+                          assert_recurrence_equals_one_pass, compose_cfg, make_encoding)
 
 D_MODEL, HEADS, LENGTH = 16, 2, 9
 HEAD = D_MODEL // HEADS
@@ -138,34 +139,15 @@ def test_future_tokens_never_change_the_past():
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_chunked_evaluation_equals_one_pass(causal):
-    net = model(causal).eval()
-    tokens, pos = ids(), torch.arange(20)[None]
-    reference = net(tokens, pos)
-    for chunk in (1, 3, 7, 19):
-        net.set_eval_chunk(chunk)
-        torch.testing.assert_close(net(tokens, pos), reference, rtol=0, atol=1e-12, msg=f"chunk {chunk}")
+    assert_chunks_equal_one_pass(model(causal).eval(), ids(), torch.arange(20)[None], (1, 3, 7, 19))
 
 
 def test_segment_recurrence_equals_reading_both_segments_at_once():
-    net = model().eval()
-    tokens = ids(length=18)
-    full = net(tokens, torch.arange(18)[None])
-    net.set_eval_chunk(4)
-    first, memory = net.forward_recurrent(tokens[:, :9], None, memory_length=9)
-    second, _ = net.forward_recurrent(tokens[:, 9:], memory, memory_length=9)
-    torch.testing.assert_close(torch.cat([first, second], 1), full, rtol=0, atol=1e-12)
+    assert_recurrence_equals_one_pass(model().eval(), ids(length=18))
 
 
 def test_query_blocks_in_training_give_the_one_pass_gradients(monkeypatch):
-    def grads(block):
-        monkeypatch.setattr(eager, "EAGER_TRAIN_BLOCK", block)
-        net = model().train()
-        net(ids(), torch.arange(20)[None]).sin().sum().backward()
-        return {name: p.grad for name, p in net.named_parameters()}
-
-    one, blocked = grads(10**9), grads(6)
-    for name, grad in one.items():
-        torch.testing.assert_close(blocked[name], grad, rtol=1e-9, atol=1e-12, msg=name)
+    assert_query_blocks_give_one_pass_gradients(model, ids(), monkeypatch)
 
 
 def test_gradients_are_finite_and_reach_the_table():

@@ -8,9 +8,10 @@ import re
 import pytest
 import torch
 
-from posbench.attention import AttentionCall, EagerBackend, eager, get_backend
+from posbench.attention import AttentionCall, EagerBackend, get_backend
 from posbench.model import ModelConfig, Transformer
-from tests.helpers import make_encoding
+from tests.helpers import (assert_chunks_equal_one_pass, assert_query_blocks_give_one_pass_gradients,
+                          assert_recurrence_equals_one_pass, make_encoding)
 
 D_MODEL, HEADS, LENGTH, WIDTH = 16, 2, 7, 3
 HEAD = D_MODEL // HEADS
@@ -239,35 +240,16 @@ def test_future_tokens_never_change_the_past(version, base):
 def test_chunked_evaluation_equals_one_pass(version, base, causal):
     for kernel in ((3, 5) if version == 2 else (3,)):
         net = model(version, base, causal, kernel).eval()
-        tokens, pos = ids(), torch.arange(20)[None]
-        reference = net(tokens, pos)
-        for chunk in (1, 6, 19):
-            net.set_eval_chunk(chunk)
-            torch.testing.assert_close(net(tokens, pos), reference, rtol=0, atol=1e-10,
-                                       msg=f"kernel {kernel}, chunk {chunk}")
+        assert_chunks_equal_one_pass(net, ids(), torch.arange(20)[None], (1, 6, 19), atol=1e-10)
 
 
 def test_segment_recurrence_equals_reading_both_segments_at_once():
-    net = model(2, "alibi").eval()
-    tokens = ids(length=18)
-    full = net(tokens, torch.arange(18)[None])
-    net.set_eval_chunk(4)
-    first, memory = net.forward_recurrent(tokens[:, :9], None, memory_length=9)
-    second, _ = net.forward_recurrent(tokens[:, 9:], memory, memory_length=9)
-    torch.testing.assert_close(torch.cat([first, second], 1), full, rtol=0, atol=1e-12)
+    assert_recurrence_equals_one_pass(model(2, "alibi").eval(), ids(length=18))
 
 
 @pytest.mark.parametrize("version", [1, 2])
 def test_query_blocks_in_training_give_the_one_pass_gradients(version, monkeypatch):
-    def grads(block):
-        monkeypatch.setattr(eager, "EAGER_TRAIN_BLOCK", block)
-        net = model(version, "alibi").train()
-        net(ids(), torch.arange(20)[None]).sin().sum().backward()
-        return {name: p.grad for name, p in net.named_parameters()}
-
-    one, blocked = grads(10**9), grads(6)
-    for name, grad in one.items():
-        torch.testing.assert_close(blocked[name], grad, rtol=1e-8, atol=1e-10, msg=name)
+    assert_query_blocks_give_one_pass_gradients(lambda: model(version, "alibi"), ids(), monkeypatch, 1e-8, 1e-10)
 
 
 @pytest.mark.parametrize("version,base", VARIANTS)

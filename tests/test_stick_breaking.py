@@ -8,9 +8,10 @@ import re
 import pytest
 import torch
 
-from posbench.attention import AttentionCall, EagerBackend, eager, get_backend
+from posbench.attention import AttentionCall, EagerBackend, get_backend
 from posbench.model import ModelConfig, Transformer
-from tests.helpers import make_encoding
+from tests.helpers import (assert_chunks_equal_one_pass, assert_query_blocks_give_one_pass_gradients,
+                          assert_recurrence_equals_one_pass, make_encoding)
 
 D_MODEL, HEADS, LENGTH = 16, 2, 8
 HEAD = D_MODEL // HEADS
@@ -146,35 +147,16 @@ def test_future_tokens_never_change_the_past(remainder, attend_current):
 @pytest.mark.parametrize("causal", [True, False])
 def test_chunked_evaluation_equals_one_pass(remainder, attend_current, causal):
     net = model(causal, remainder, attend_current).eval()
-    tokens = ids()
     for pos in (torch.arange(20)[None], torch.stack((torch.arange(20), torch.arange(20) * 2 + 1))):
-        reference = net(tokens, pos)
-        for chunk in (1, 6, 19):
-            net.set_eval_chunk(chunk)
-            torch.testing.assert_close(net(tokens, pos), reference, rtol=0, atol=1e-12, msg=f"chunk {chunk}")
-        net.set_eval_chunk(None)
+        assert_chunks_equal_one_pass(net, ids(), pos, (1, 6, 19))
 
 
 def test_segment_recurrence_equals_reading_both_segments_at_once():
-    net = model(attend_current=True).eval()
-    tokens = ids(length=18)
-    full = net(tokens, torch.arange(18)[None])
-    net.set_eval_chunk(4)
-    first, memory = net.forward_recurrent(tokens[:, :9], None, memory_length=9)
-    second, _ = net.forward_recurrent(tokens[:, 9:], memory, memory_length=9)
-    torch.testing.assert_close(torch.cat([first, second], 1), full, rtol=0, atol=1e-12)
+    assert_recurrence_equals_one_pass(model(attend_current=True).eval(), ids(length=18))
 
 
 def test_query_blocks_in_training_give_the_one_pass_gradients(monkeypatch):
-    def grads(block):
-        monkeypatch.setattr(eager, "EAGER_TRAIN_BLOCK", block)
-        net = model(remainder="learned").train()
-        net(ids(), torch.arange(20)[None]).sin().sum().backward()
-        return {name: p.grad for name, p in net.named_parameters()}
-
-    one, blocked = grads(10**9), grads(6)
-    for name, grad in one.items():
-        torch.testing.assert_close(blocked[name], grad, rtol=1e-9, atol=1e-12, msg=name)
+    assert_query_blocks_give_one_pass_gradients(lambda: model(remainder="learned"), ids(), monkeypatch)
 
 
 @pytest.mark.parametrize("remainder,attend_current", SETTINGS)
