@@ -186,3 +186,18 @@ def assert_query_blocks_give_one_pass_gradients(make_net, tokens, monkeypatch, r
     for name, grad in one.items():
         torch.testing.assert_close(blocked[name], grad, rtol=rtol, atol=atol, msg=name)
 
+
+def drawn_model(name: str, causal: bool = True, dtype=torch.float64, seed: int = 0, **params) -> Transformer:
+    """A 2-layer model (d_model 32, 4 heads, backend auto) of encoding `name` whose parameters are drawn
+    N(0, 0.5) (seed `seed`): gates and tables far from their initial values."""
+    torch.manual_seed(seed)
+    enc = make_encoding(name, causal=causal, d_model=32, n_heads=4, **params)
+    for p in enc.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    cfg = ModelConfig(vocab_size=11, d_model=32, n_layers=2, n_heads=4, causal=causal)
+    return Transformer(cfg, enc, get_backend("auto", enc)).to(dtype)
+
+
+def token_ids(length: int = 20, batch: int = 2, seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, 11, (batch, length), generator=torch.Generator().manual_seed(seed))
+

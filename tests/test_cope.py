@@ -7,11 +7,11 @@ import re
 import pytest
 import torch
 
-from posbench.attention import AttentionCall, get_backend
-from posbench.model import ModelConfig, Transformer
+from posbench.attention import AttentionCall
 from posbench.runner import build
 from tests.helpers import (assert_chunks_equal_one_pass, assert_query_blocks_give_one_pass_gradients,
-                          assert_recurrence_equals_one_pass, compose_cfg, make_encoding)
+                          assert_recurrence_equals_one_pass, compose_cfg, drawn_model, make_encoding,
+                          token_ids)
 
 D_MODEL, HEADS, LENGTH = 16, 2, 9
 HEAD = D_MODEL // HEADS
@@ -105,16 +105,11 @@ def test_npos_defaults_to_training_positions_plus_one_and_is_recorded():
 
 
 def model(causal=True, npos=6, seed=0, dtype=torch.float64):
-    torch.manual_seed(seed)
-    enc = make_encoding("cope", causal=causal, d_model=32, n_heads=4, npos=npos)
-    for p in enc.parameters():
-        torch.nn.init.normal_(p, std=0.5)
-    cfg = ModelConfig(vocab_size=11, d_model=32, n_layers=2, n_heads=4, causal=causal)
-    return Transformer(cfg, enc, get_backend("auto", enc)).to(dtype)
+    return drawn_model("cope", causal, dtype, seed, npos=npos)
 
 
 def ids(length=20, batch=2, seed=3):
-    return torch.randint(0, 11, (batch, length), generator=torch.Generator().manual_seed(seed))
+    return token_ids(length, batch, seed)
 
 
 @pytest.mark.parametrize("causal", [True, False])

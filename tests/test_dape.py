@@ -11,7 +11,7 @@ import torch
 from posbench.attention import AttentionCall, EagerBackend, get_backend
 from posbench.model import ModelConfig, Transformer
 from tests.helpers import (assert_chunks_equal_one_pass, assert_query_blocks_give_one_pass_gradients,
-                          assert_recurrence_equals_one_pass, make_encoding)
+                          assert_recurrence_equals_one_pass, drawn_model, make_encoding, token_ids)
 
 D_MODEL, HEADS, LENGTH, WIDTH = 16, 2, 7, 3
 HEAD = D_MODEL // HEADS
@@ -195,16 +195,11 @@ def test_params_record_the_base_and_its_settings():
 
 
 def model(version=1, base="kerple", causal=True, kernel=3, dtype=torch.float64):
-    torch.manual_seed(0)
-    enc = make_encoding("dape", causal=causal, d_model=32, n_heads=4, version=version, base=base, kernel=kernel)
-    for p in enc.parameters():
-        torch.nn.init.normal_(p, std=0.5)
-    cfg = ModelConfig(vocab_size=11, d_model=32, n_layers=2, n_heads=4, causal=causal)
-    return Transformer(cfg, enc, get_backend("auto", enc)).to(dtype)
+    return drawn_model("dape", causal, dtype, version=version, base=base, kernel=kernel)
 
 
 def ids(length=20, batch=2, seed=3):
-    return torch.randint(0, 11, (batch, length), generator=torch.Generator().manual_seed(seed))
+    return token_ids(length, batch, seed)
 
 
 VARIANTS = [(version, base) for version in (1, 2) for base in BASES]

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from posbench.attention import AttentionCall, EagerBackend, get_backend
-from posbench.model import ModelConfig, Transformer
 from tests.helpers import (assert_chunks_equal_one_pass, assert_query_blocks_give_one_pass_gradients,
-                          assert_recurrence_equals_one_pass, make_encoding)
+                          assert_recurrence_equals_one_pass, drawn_model, make_encoding, token_ids)
 
 D_MODEL, HEADS, LENGTH = 16, 2, 8
 HEAD = D_MODEL // HEADS
@@ -105,17 +104,11 @@ def test_float32_at_length_2048_matches_float64():
 
 
 def model(causal=True, remainder="value", attend_current=False, dtype=torch.float64):
-    torch.manual_seed(0)
-    enc = make_encoding("stick_breaking", causal=causal, d_model=32, n_heads=4, remainder=remainder,
-                        attend_current=attend_current)
-    for p in enc.parameters():
-        torch.nn.init.normal_(p, std=0.5)
-    cfg = ModelConfig(vocab_size=11, d_model=32, n_layers=2, n_heads=4, causal=causal)
-    return Transformer(cfg, enc, get_backend("auto", enc)).to(dtype)
+    return drawn_model("stick_breaking", causal, dtype, remainder=remainder, attend_current=attend_current)
 
 
 def ids(length=20, batch=2, seed=3):
-    return torch.randint(0, 11, (batch, length), generator=torch.Generator().manual_seed(seed))
+    return token_ids(length, batch, seed)
 
 
 SETTINGS = [(remainder, current) for remainder in REMAINDERS for current in (False, True)]
