@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from posbench.attention import AttentionCall, EagerBackend, get_backend
+from posbench.encodings.stick_breaking import BrokenStick
 from tests.helpers import (assert_chunks_equal_one_pass, assert_query_blocks_give_one_pass_gradients,
                           assert_recurrence_equals_one_pass, drawn_model, make_encoding, token_ids)
 
@@ -101,6 +102,33 @@ def test_float32_at_length_2048_matches_float64():
     reference = attend(enc, q, k, v)
     got = attend(enc.float(), q.float(), k.float(), v.float())
     torch.testing.assert_close(got.double(), reference, rtol=0, atol=1e-5)
+
+
+def test_backward_equals_autograd_of_the_formula():
+    """BrokenStick's own backward against autograd through the formula written with a triangular
+    matrix (float64): keys that take no part, a row where none does, saturated gates; and gradcheck."""
+    gen = torch.Generator().manual_seed(4)
+    scores = (torch.randn(2, 3, 6, 9, dtype=torch.float64, generator=gen) * 4).requires_grad_()
+    takes = torch.rand(6, 9, generator=gen) > 0.3
+    takes[2] = False
+    grad_weights, grad_log_rest = torch.randn(2, 3, 6, 9, dtype=torch.float64, generator=gen), torch.randn(
+        2, 3, 6, 1, dtype=torch.float64, generator=gen)
+
+    weights, log_rest = BrokenStick.apply(scores, takes)
+    got = torch.autograd.grad((weights * grad_weights).sum() + (log_rest * grad_log_rest).sum(), scores)[0]
+
+    s = torch.where(takes, scores, 0.0)
+    breaks = torch.where(takes, torch.nn.functional.logsigmoid(-s), 0.0)  # log(1 - beta)
+    after = breaks @ torch.ones(9, 9, dtype=torch.float64).tril(-1)  # sum over t > j: [B, H, Lq, Lk]
+    expected_weights = torch.where(takes, torch.exp(torch.nn.functional.logsigmoid(s) + after), 0.0)
+    expected_log_rest = breaks.sum(-1, keepdim=True)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-12, atol=1e-300)
+    torch.testing.assert_close(log_rest, expected_log_rest, rtol=1e-12, atol=1e-12)
+    expected = torch.autograd.grad((expected_weights * grad_weights).sum()
+                                   + (expected_log_rest * grad_log_rest).sum(), scores)[0]
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    assert (got[..., ~takes] == 0).all() and got.abs().sum() > 0
+    assert torch.autograd.gradcheck(lambda x: BrokenStick.apply(x, takes), (scores[:1, :1].detach().requires_grad_(),))
 
 
 def model(causal=True, remainder="value", attend_current=False, dtype=torch.float64):

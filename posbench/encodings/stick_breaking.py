@@ -26,14 +26,16 @@ position id; the mask (causal, a sliding window) decides which keys take part.
 """
 from __future__ import annotations
 
+import math
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from posbench.checks import Flag
 from posbench.encodings.base import Encoding, ModelDims, check_choice
 
 REMAINDERS = ("value", "learned", "none")
+LOG2_E = 1 / math.log(2)
 
 
 class StickBreaking(Encoding):
@@ -61,16 +63,43 @@ class StickBreaking(Encoding):
         if visible is not None:
             takes = takes & visible
         compute = torch.promote_types(logits.dtype, torch.float32)
-        s = torch.where(takes, logits.to(compute), 0.0)  # finite everywhere (masked logits arrive as -inf)
-        breaks = torch.where(takes, F.logsigmoid(-s), 0.0)  # log(1 - beta_it): [B, H, Lq, Lk]
-        after = breaks.flip(-1).cumsum(-1).flip(-1)  # sum over t >= j: [B, H, Lq, Lk]
-        after = F.pad(after[..., 1:], (0, 1))  # sum over t > j
-        weights = torch.where(takes, torch.exp(F.logsigmoid(s) + after), 0.0)  # A: [B, H, Lq, Lk]
+        weights, log_rest = BrokenStick.apply(logits.to(compute), takes)  # A: [B, H, Lq, Lk], log r: [B, H, Lq, 1]
         if self.remainder == "none":
             return weights.to(v.dtype), None
-        rest = breaks.sum(-1, keepdim=True).exp()  # r_i = prod_t (1 - beta_it): [B, H, Lq, 1]
         if self.remainder == "value":
             u = v[..., call.q_start:call.q_start + lq, :]  # v_i: [B, H, Lq, d]
         else:
             u = self.head_bias[:, None, :]  # [H, 1, d]
-        return weights.to(v.dtype), (rest * u).to(v.dtype)  # [B, H, Lq, Lk], [B, H, Lq, d]
+        return weights.to(v.dtype), (log_rest.exp() * u).to(v.dtype)  # [B, H, Lq, Lk], [B, H, Lq, d]
+
+
+class BrokenStick(torch.autograd.Function):
+    """The weights A and log r from the scores s [B, H, Lq, Lk] and the keys that take part
+    [Lq, Lk], with a backward of its own: few full-size passes, two tensors kept (s, A).
+
+    log A_ij = s_ij + sum_{t >= j} log(1 - beta_it)     (logsigmoid(s_ij) = s_ij + log(1 - beta_ij))
+    log r_i = sum_t log(1 - beta_it)
+    With G_ij = dA_ij A_ij (the gradient at log A), s_it reaches log A_ij for every j <= t through
+    log(1 - beta_it), whose derivative is -beta_it:
+    ds_it = G_it - beta_it (sum_{j <= t} G_ij + d log r_i)
+    Keys that take no part hold s = -inf: no break (log(1 - 0) = 0), no share (A = 0), no gradient.
+    log(1 - beta) is log(sigmoid(-s)) and exp runs as exp2: CPU exp (and logsigmoid, through it) takes a
+    slow path for every result that underflows, and most do."""
+
+    @staticmethod
+    def forward(ctx, logits, takes):
+        s = logits.masked_fill(~takes, float("-inf"))  # [B, H, Lq, Lk]
+        negated = s.flip(-1).neg_()  # -s, keys last to first: [B, H, Lq, Lk]
+        log_a = torch.sigmoid(negated).log_().cumsum_(-1)  # sum over t >= j of log(1 - beta_it), reversed
+        log_rest = log_a[..., -1:].clone()  # [B, H, Lq, 1]
+        log_a.sub_(negated).mul_(LOG2_E).exp2_()  # A, keys last to first
+        weights = log_a.flip(-1)  # [B, H, Lq, Lk]
+        ctx.save_for_backward(s, weights)
+        return weights, log_rest
+
+    @staticmethod
+    def backward(ctx, grad_weights, grad_log_rest):
+        s, weights = ctx.saved_tensors
+        g = grad_weights * weights  # G: [B, H, Lq, Lk]
+        through_breaks = g.cumsum(-1).add_(grad_log_rest)  # sum_{j <= t} G_ij + d log r_i
+        return g.sub_(through_breaks.mul_(torch.sigmoid(s))), None
