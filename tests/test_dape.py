@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from posbench.attention import AttentionCall, EagerBackend, get_backend
+from posbench.encodings import dape as dape_module
 from posbench.model import ModelConfig, Transformer
 from tests.helpers import (assert_chunks_equal_one_pass, assert_query_blocks_give_one_pass_gradients,
                           assert_recurrence_equals_one_pass, drawn_model, make_encoding, token_ids)
@@ -112,6 +113,38 @@ def test_v1_matches_the_network_written_out(base, causal):
     logits, got = transform(enc, causal)
     expected = naive_v1(enc, logits, POSITIONS)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)  # every entry: v1 is pointwise
+
+
+@pytest.mark.parametrize("bias_batch", [None, 1, 3], ids=["no bias", "shared bias", "bias per sequence"])
+def test_v1_backward_equals_autograd_of_the_network(bias_batch, monkeypatch):
+    """PairMLP's own tiled backward against autograd through nn's Linear -> LeakyReLU -> Linear over
+    [S; B] (float64), tiles smaller than a row so that they cut rows; and gradcheck."""
+    monkeypatch.setattr(dape_module, "TILE_ELEMENTS", 20)  # 3 sequences x 3 hidden units: tiles of 2 pairs
+    gen = torch.Generator().manual_seed(2)
+    features = HEADS if bias_batch is None else 2 * HEADS
+    net = torch.nn.Sequential(torch.nn.Linear(features, WIDTH), torch.nn.LeakyReLU(0.2),
+                              torch.nn.Linear(WIDTH, HEADS)).double()
+    logits = torch.randn(3, HEADS, 4, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    bias = None if bias_batch is None else torch.randn(bias_batch, HEADS, 4, 5, dtype=torch.float64,
+                                                       generator=gen, requires_grad=True)
+    grad = torch.randn(3, HEADS, 4, 5, dtype=torch.float64, generator=gen)
+    inputs = [t for t in (logits, bias, *net.parameters()) if t is not None]
+    first, act, last = net
+
+    got = dape_module.PairMLP.apply(logits, bias, first.weight, first.bias, last.weight, last.bias, 0.2)
+    got_grads = torch.autograd.grad((got * grad).sum(), inputs)
+    if bias is None:
+        expected = logits + net(logits.movedim(1, -1)).movedim(-1, 1)
+    else:
+        both = torch.cat([logits, bias.expand_as(logits)], dim=1)  # [S; B]
+        expected = logits + bias + net(both.movedim(1, -1)).movedim(-1, 1)
+    expected_grads = torch.autograd.grad((expected * grad).sum(), inputs)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    for g, e in zip(got_grads, expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+    assert torch.autograd.gradcheck(
+        lambda *args: dape_module.PairMLP.apply(args[0], *(args[1:] if bias is not None else (None, *args[1:])), 0.2),
+        tuple(inputs))
 
 
 @pytest.mark.parametrize("base", BASES)

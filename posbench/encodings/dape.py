@@ -93,11 +93,16 @@ class DAPE(Encoding):
         return self.base.qk(q, k, q_pos, k_pos, layer)  # declared with base rope (the others leave q, k)
 
     def logit_transform(self, logits, q, k, call):
-        if self.base_name not in BIASED:
-            return logits + self.correction(logits, call)  # A = S + f(S)
-        bias = self.base_bias(call).to(logits.dtype).expand_as(logits)  # [B, H, Lq, Lk]
+        bias = self.base_bias(call).to(logits.dtype) if self.base_name in BIASED else None  # [B', H, Lq, Lk]
+        if self.version == 1:  # A = S + B + f([S; B]) (A = S + f(S) without a bias)
+            first, act, last = self.net
+            return PairMLP.apply(logits, bias, first.weight, first.bias, last.weight, last.bias,
+                                 act.negative_slope)  # [B, H, Lq, Lk]
+        if bias is None:
+            return logits + self.correction(logits, call)  # A = S + g(S)
+        bias = bias.expand_as(logits)  # [B, H, Lq, Lk]
         features = torch.cat([logits, bias], dim=1)  # [S; B]: [B, 2H, Lq, Lk]
-        return logits + bias + self.correction(features, call)  # A = S + B + f([S; B])
+        return logits + bias + self.correction(features, call)  # A = S + B + g([S; B])
 
     def base_bias(self, call) -> torch.Tensor:
         """B at the call's positions: [B', H, Lq, Lk]."""
@@ -106,9 +111,7 @@ class DAPE(Encoding):
         return self.base.bias(call.q_pos, call.k_pos, call.layer)
 
     def correction(self, features: torch.Tensor, call) -> torch.Tensor:
-        """f (v1) or g (v2) of the features [B, C, Lq, Lk] -> [B, H, Lq, Lk]."""
-        if self.version == 1:
-            return self.net(features.movedim(1, -1)).movedim(-1, 1)  # per (i, j) across channels: [B, H, Lq, Lk]
+        """g (v2) of the features [B, C, Lq, Lk] -> [B, H, Lq, Lk]."""
         visible = call.visible()  # [Lq, Lk] or None
         if visible is not None:
             features = features.masked_fill(~visible, 0.0)  # tril: the future never reaches the convolution
@@ -127,3 +130,82 @@ def build_base(name: str, dims: ModelDims, params: dict) -> Encoding | None:
         raise ValueError(f"dape: encoding.base_params has {unknown}, which base {name} does not take; "
                          f"its parameters: {accepted}")
     return None if cls is None else cls(dims, **params)
+
+
+class PairMLP(torch.autograd.Function):
+    """v1's A = S + B + f([S; B]), f = Linear(C, D) -> LeakyReLU -> Linear(D, H) at every pair (i, j),
+    computed TILE_ELEMENTS of the hidden layer at a time along the pairs: the hidden layer [B, D, pairs]
+    is never stored whole (backward computes each tile's again), so it stays in cache and its memory
+    never grows with the length. S: [B, H, Lq, Lk]; B: [B', H, Lq, Lk] (B' = 1 or B) or None (C = H);
+    the weights as nn.Linear's."""
+
+    @staticmethod
+    def forward(ctx, logits, bias, w1, b1, w2, b2, slope: float):
+        s, b = pairs(logits), None if bias is None else pairs(bias)  # [B, H, P], [B', H, P]
+        w1_s, w1_b = first_layer(w1, s.shape[1])
+        out = s.clone() if b is None else s + b  # S + B: [B, H, P]
+        out += b2[:, None]
+        for t in tiles(s, w1.shape[0]):
+            hidden = F.leaky_relu_(hidden_layer(s[..., t], None if b is None else b[..., t], w1_s, w1_b, b1), slope)
+            out[..., t] += torch.matmul(w2, hidden)  # [B, H, tile]
+        ctx.save_for_backward(logits, bias, w1, b1, w2)
+        ctx.slope = slope
+        return out.view_as(logits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, bias, w1, b1, w2 = ctx.saved_tensors
+        s, b, g = pairs(logits), None if bias is None else pairs(bias), pairs(grad)  # [B, H, P], [B', H, P], [B, H, P]
+        heads = s.shape[1]
+        w1_s, w1_b = first_layer(w1, heads)
+        w2_t = w2.T.contiguous()  # [D, H]
+        ds = g.clone()  # the S in A: [B, H, P]
+        db = None if b is None else sum_to_batch(g, b.shape[0]).clone()  # [B', H, P]
+        dw1, db1, dw2 = torch.zeros_like(w1), torch.zeros_like(b1), torch.zeros_like(w2)
+        for t in tiles(s, w1.shape[0]):
+            s_t, b_t, g_t = s[..., t], None if b is None else b[..., t], g[..., t]
+            pre = hidden_layer(s_t, b_t, w1_s, w1_b, b1)  # [B, D, tile]
+            dw2 += torch.bmm(g_t, F.leaky_relu(pre, ctx.slope).mT).sum(0)  # [H, D]
+            dpre = torch.ops.aten.leaky_relu_backward(torch.matmul(w2_t, g_t), pre, ctx.slope, False)  # [B, D, tile]
+            db1 += dpre.sum((0, 2))
+            dw1[:, :heads] += torch.bmm(dpre, s_t.mT).sum(0)
+            ds[..., t] += torch.matmul(w1_s.T.contiguous(), dpre)
+            if b_t is not None:
+                dpre_b = sum_to_batch(dpre, b_t.shape[0])  # [B', D, tile]
+                dw1[:, heads:] += torch.bmm(dpre_b, b_t.mT).sum(0)
+                db[..., t] += torch.matmul(w1_b.T.contiguous(), dpre_b)
+        return (ds.view_as(logits), None if db is None else db.view_as(bias), dw1, db1, dw2, g.sum((0, 2)),
+                None)
+
+
+TILE_ELEMENTS = 2**18  # hidden-layer elements per tile of PairMLP (1 MiB in float32: within L2)
+
+
+def pairs(t: torch.Tensor) -> torch.Tensor:
+    """[B, C, Lq, Lk] -> [B, C, Lq Lk]."""
+    return t.reshape(*t.shape[:2], -1)
+
+
+def tiles(s: torch.Tensor, width: int):
+    """Slices along the pairs of s [B, H, P], each holding TILE_ELEMENTS of a [B, width, tile] hidden layer."""
+    size = max(1, TILE_ELEMENTS // (s.shape[0] * width))
+    return (slice(start, start + size) for start in range(0, s.shape[-1], size))
+
+
+def first_layer(w1: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W1 [D, C] as its columns on S and on B, each contiguous ([D, H]; the second [D, 0] without a
+    bias): a slice's row stride would make every matmul copy its tile."""
+    return w1[:, :heads].contiguous(), w1[:, heads:].contiguous()
+
+
+def hidden_layer(s, b, w1_s, w1_b, b1) -> torch.Tensor:
+    """W1 [S; B] + b1 for one tile: s [B, H, tile], b [B', H, tile] or None -> [B, D, tile]."""
+    hidden = torch.matmul(w1_s, s)  # [B, D, tile]
+    if b is not None:
+        hidden += torch.matmul(w1_b, b)  # [B', D, tile], broadcast
+    return hidden.add_(b1[:, None])
+
+
+def sum_to_batch(t: torch.Tensor, batch: int) -> torch.Tensor:
+    """t [B, C, P] summed over the batch when the tensor it goes to is shared by it ([1, C, P])."""
+    return t.sum(0, keepdim=True) if batch == 1 and t.shape[0] != 1 else t
