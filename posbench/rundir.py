@@ -1,18 +1,21 @@
-"""A run directory: its files written atomically, its status record, its checkpoint, and
-the signals that stop a run cleanly.
+"""A run directory: the lock that keeps it to one process, its files written atomically, its
+status record, its checkpoint, and the signals that stop a run cleanly.
 
 status.json says where the run stands at any moment: `running` (with the phase, the last
 step or length and the process), `ok`, `diverged`, `failed` (with the error) or `killed`
 (a signal stopped it; a SIGKILL cannot be answered, so a `running` record whose process is
 gone on this host also reads as killed). Every file is written to a temporary file and
-moved into place with os.replace, so a kill or a full disk never leaves a torn file.
+moved into place with os.replace, so a kill or a full disk never leaves a torn file (one
+exception: a failure on a disk too full for a temporary file overwrites status.json in place).
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -21,6 +24,7 @@ from pathlib import Path
 
 STATUS_FILE = "status.json"
 CHECKPOINT_FILE = "checkpoint.pt"
+LOCK_FILE = "run.lock"
 FINAL_STATES = ("ok", "diverged")  # a run in one of these has nothing left to do
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR2")  # SIGUSR2: submitit's preemption and timeout signal
 _UMASK = os.umask(0)
@@ -41,6 +45,19 @@ def atomic_write(path: Path, data: bytes | str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def overwrite_in_place(path: Path, text: str) -> None:
+    """Rewrites a small file inside the blocks it already has: the last resort when a full disk
+    leaves no room for atomic_write's temporary file. Not atomic: only for recording a failure."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+    try:
+        data = text.encode()
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_torch(obj, path: Path) -> None:
@@ -75,11 +92,12 @@ def load_checkpoint(path: Path, device) -> dict:
 
 def read_status(run_dir: Path) -> dict | None:
     try:
-        return json.loads((Path(run_dir) / STATUS_FILE).read_text())
+        record = json.loads((Path(run_dir) / STATUS_FILE).read_text())
     except FileNotFoundError:
         return None
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, ValueError) as err:  # ValueError: not JSON, not UTF-8
         return {"state": "unreadable", "error": f"{type(err).__name__}: {err}"}
+    return record if isinstance(record, dict) else {"state": "unreadable", "error": "not a JSON object"}
 
 
 def process_alive(status: dict) -> bool | None:
@@ -125,7 +143,99 @@ class Status:
 
     def update(self, **fields) -> None:
         self.record |= fields | {"updated": now()}
-        atomic_write(self.path, json.dumps(self.record, indent=1, default=str) + "\n")
+        atomic_write(self.path, self.text())
+
+    def fail(self, error: str) -> None:
+        """Records `failed` with the error, in place when the disk is too full for a new file."""
+        self.record |= {"state": "failed", "error": error[:1000], "updated": now()}
+        try:
+            atomic_write(self.path, self.text())
+        except OSError:
+            try:
+                overwrite_in_place(self.path, self.text())
+            except OSError as err:  # the error being recorded matters more: warn, and let it through
+                print(f"warning: could not record the failure in {self.path}: {type(err).__name__}: {err}",
+                      file=sys.stderr)
+
+    def text(self) -> str:
+        return json.dumps(self.record, indent=1, default=str) + "\n"
+
+
+class RunBusy(RuntimeError):
+    """Another live process holds the run directory's lock."""
+
+
+class RunLock:
+    """<run dir>/run.lock: the one process allowed to write the run directory, recorded as its pid,
+    host and start time.
+
+    The process holds an exclusive flock on the file, which the kernel drops when the process
+    ends, however it ends: a lock file nobody holds (its process was SIGKILLed) is stale and taken
+    over. A held lock refuses the second process, naming the first, before it writes anything.
+    Where flock does not exclude (a filesystem without locks), a record naming a live process on
+    this host still refuses. Released (the file removed) when the `with` block ends."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.fd: int | None = None
+        self.stale: dict | None = None  # the record of a gone process this lock took over
+
+    def __enter__(self) -> RunLock:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = read_lock(fd, wait=True)
+                os.close(fd)
+                raise RunBusy(self.busy(holder)) from None
+            try:
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # its holder released (removed) it between our open and flock: open it again
+        previous = read_lock(fd)
+        if previous and previous.get("pid") != os.getpid() and process_alive(previous):
+            os.close(fd)
+            raise RunBusy(self.busy(previous, held=False))
+        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": now()}) + "\n"
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record.encode(), 0)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd, self.stale = fd, previous
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.path.unlink(missing_ok=True)  # before letting go: a waiting process then opens a new file
+        os.close(self.fd)
+        self.fd = None
+
+    def busy(self, holder: dict | None, held: bool = True) -> str:
+        who = (f"process {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}"
+               if holder else "a process that is starting")
+        return (f"{self.path.parent} is in use by {who} (see {self.path}); one process per run directory: "
+                "wait for it to end, or stop it (the same command then resumes the run), or choose another "
+                "hydra.run.dir" + ("" if held else f". That process does not hold the lock: if it is not a "
+                                                   f"posbench run (its pid was reused), remove {self.path}"))
+
+
+def read_lock(fd: int, wait: bool = False) -> dict | None:
+    """The record in a lock file; `wait`: a holder that has just taken it may not have written it yet."""
+    for _ in range(20 if wait else 1):
+        try:
+            record = json.loads(os.pread(fd, 4096, 0))
+            if isinstance(record, dict):
+                return record
+        except ValueError:  # empty or torn
+            pass
+        if wait:
+            time.sleep(0.05)
+    return None
 
 
 def now() -> str:

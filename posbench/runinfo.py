@@ -106,6 +106,7 @@ class RunInfo:
     git_commit: str
     init_from: str | None
     init_steps: int
+    untrained: bool  # train.steps=0 without train.init_from: a freshly initialised model evaluated
     config: dict  # group_config of the resolved config
     train_steps: int | None = None  # filled in once training has ended
     train_seconds: float | None = None

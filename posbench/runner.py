@@ -2,7 +2,7 @@
 
 Each evaluated length becomes one result row, written to the run directory at once; the
 run's status.json says where it stands, and the same command pointed at the same directory
-resumes an unfinished run (posbench.rundir: status, atomic files, checkpoints, signals).
+resumes an unfinished run (posbench.rundir: the lock, status, atomic files, checkpoints, signals).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
@@ -29,6 +30,7 @@ from posbench.results import ROW_FILE, RowWriter, plot_run
 from posbench.rundir import (
     CHECKPOINT_FILE,
     FINAL_STATES,
+    RunLock,
     Status,
     StopRequest,
     StopSignals,
@@ -43,6 +45,7 @@ from posbench.validate import check_built, check_choice_value, check_config, eva
 from tasks.base import Task
 
 TIMING_WARMUP_STEPS = 10
+HYDRA_SUBDIR = ".hydra"  # where the runner writes Hydra's record of an accepted command
 UNMEASURED = {"exact_match": None, "token_acc": None, "loss": None, "eval_tokens_per_s": None,
               "peak_mem_mb": None, "mem_kind": None}  # a length that was not evaluated
 
@@ -105,6 +108,7 @@ class Built:
     init_from: str | None = None  # the checkpoint loaded before training (train.init_from)
     init_steps: int = 0  # its training steps
     init_config: dict | None = None  # its resolved config (the run is grouped by it, not by the path)
+    untrained: bool = False  # train.steps=0 without train.init_from: the fresh initialisation is evaluated
 
 
 def build(cfg: DictConfig, device: torch.device) -> Built:
@@ -134,7 +138,7 @@ def build(cfg: DictConfig, device: torch.device) -> Built:
     init_from = str(checkpoint_path(cfg.train.init_from)) if cfg.train.get("init_from") else None
     init_steps, init_config = load_initial_weights(model, init_from, cfg, device) if init_from else (0, None)
     built = Built(task, encoding, model, positions, backend.name, train_length, lengths, init_from, init_steps,
-                  init_config)
+                  init_config, untrained=int(cfg.train.steps) == 0 and init_from is None)
     check_built(built, cfg)
     return built
 
@@ -429,56 +433,102 @@ def claim(run_dir: Path, identity: str, resume_setting) -> dict | None:
 def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
     """Train and evaluate one configuration; returns its rows, also in run_dir/results.jsonl.
 
-    The same command pointed at the same run directory continues an unfinished run: training
-    from its last checkpoint, evaluation at the first length without a row."""
+    One process at a time per run directory (rundir.RunLock). The same command pointed at the
+    same run directory continues an unfinished run: training from its last checkpoint,
+    evaluation at the first length without a row. A command refused before it starts (the
+    directory busy or holding another run, or a setting refused while resuming) leaves the
+    directory's files as they were; any later error is recorded as `failed` with the error."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     identity = run_identity(resolved)
-    previous = claim(run_dir, identity, cfg.train.get("resume", "auto"))
-    if previous is not None:
-        if previous.get("state") in FINAL_STATES:
-            print(f"{run_dir} holds this run, finished ({previous['state']}): nothing to do")
-            return RowWriter(run_dir).rows
-        print(f"resuming the run in {run_dir}: {describe(previous)}")
-    run_id = previous["run_id"] if previous else uuid.uuid4().hex[:12]
-    status = Status(run_dir, run_id=run_id, identity=identity, resumed=previous.get("resumed", 0) + 1 if previous else 0)
-    try:
-        check_config(cfg)  # threads and device are applied before build: refuse bad ones first
-        if cfg.threads:
-            torch.set_num_threads(int(cfg.threads))
-        # CPU: probabilities below 1e-38 (logits ~90 under the row's top, as alibi's far keys) read as 0;
-        # kept denormal, they slowed the fused attention backward 2x (alibi, fox) and weighed nothing
-        torch.set_flush_denormal(True)
-        device = resolve_device(cfg.device)
-        built = build(cfg, device)
-    except Exception as err:
-        status.update(state="failed", phase="build", error=error_text(err)[:1000])
-        raise
-    stop = StopSignals()
-    with stop.active():
+    with RunLock(run_dir) as lock:
+        if lock.stale:
+            print(f"taking over {lock.path} from process {lock.stale.get('pid')} on {lock.stale.get('host')} "
+                  f"(started {lock.stale.get('started')}): that process is gone")
+        previous = claim(run_dir, identity, cfg.train.get("resume", "auto"))
+        if previous is not None:
+            if previous.get("state") in FINAL_STATES:
+                print(f"{run_dir} holds this run, finished ({previous['state']}): nothing to do")
+                return RowWriter(run_dir).rows
+            print(f"resuming the run in {run_dir}: {describe(previous)}")
+        run_id = previous["run_id"] if previous else uuid.uuid4().hex[:12]
+        status = Status(run_dir, run_id=run_id, identity=identity,
+                        resumed=previous.get("resumed", 0) + 1 if previous else 0)
         try:
-            rows = run_built(cfg, built, device, run_dir, resolved, status, stop)
-        except StopRequest as request:
-            status.update(state="killed", signal=request.args[0])
-            print(f"\nstopped: {describe(status.record)}; the same command resumes it")
-            stop.forward(request.signum)
-    if stop.signum is not None:  # a signal that came after the last safe point: the run is complete
-        stop.forward(stop.signum)
+            device, built = prepare(cfg)
+        except Exception as err:
+            if previous is None:  # a fresh directory: the refusal is its record (the report lists it)
+                status.fail(error_text(err))
+            raise
+        if built.untrained:
+            print("warning: train.steps=0 without train.init_from evaluates a freshly initialised model; its rows "
+                  "carry untrained=true", file=sys.stderr)
+        stop = StopSignals()
+        with stop.active():
+            try:
+                rows = run_built(cfg, built, device, run_dir, resolved, status, stop)
+            except StopRequest as request:
+                status.update(state="killed", signal=request.args[0])
+                print(f"\nstopped: {describe(status.record)}; the same command resumes it")
+            except Exception as err:  # a full disk, a figure, the logger: failed, with the error
+                status.fail(error_text(err))
+                raise
+    if stop.signum is not None:  # stopped, or complete when it came after the last safe point: the signal
+        stop.forward(stop.signum)  # is handed on with the lock released (submitit may requeue the job at once)
     return rows
+
+
+def prepare(cfg: DictConfig) -> tuple[torch.device, Built]:
+    """The process set up (threads, denormals) and the run built; writes nothing."""
+    check_config(cfg)  # threads and device are applied before build: refuse bad ones first
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    # CPU: probabilities below 1e-38 (logits ~90 under the row's top, as alibi's far keys) read as 0;
+    # kept denormal, they slowed the fused attention backward 2x (alibi, fox) and weighed nothing
+    torch.set_flush_denormal(True)
+    device = resolve_device(cfg.device)
+    return device, build(cfg, device)
+
+
+def write_hydra_record(cfg: DictConfig, run_dir: Path) -> None:
+    """Hydra's record of the command (.hydra/config.yaml, hydra.yaml, overrides.yaml), in a Hydra job
+    whose output directory this is. Hydra writes none itself (hydra.output_subdir: null): it would
+    write them before the command is checked, so a refused command would rewrite an existing run's."""
+    if not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.instance().cfg  # {"hydra": ...}
+    output_dir = OmegaConf.select(hydra_cfg, "hydra.runtime.output_dir", default=None)
+    if output_dir is None or Path(output_dir).resolve() != run_dir.resolve():
+        return
+    folder = run_dir / HYDRA_SUBDIR
+    folder.mkdir(exist_ok=True)
+    atomic_write(folder / "config.yaml", OmegaConf.to_yaml(cfg))
+    atomic_write(folder / "hydra.yaml", OmegaConf.to_yaml(hydra_cfg))
+    atomic_write(folder / "overrides.yaml", OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task))
+
+
+def write_failed_rows(writer: RowWriter, rows: list[dict]) -> None:
+    """Rows that say where the run failed; the status records the failure even where a full disk refuses them."""
+    try:
+        for row in rows:
+            writer.write(row)
+    except OSError as err:
+        print(f"warning: could not write the failed rows to {writer.path}: {error_text(err)}", file=sys.stderr)
 
 
 def run_built(cfg: DictConfig, built: Built, device: torch.device, run_dir: Path, resolved: dict, status: Status,
               stop: StopSignals) -> list[dict]:
-    atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     info = run_info(cfg, built, device, status.record["run_id"], resolved)
     writer = RowWriter(run_dir, keep=lambda row: row["run_id"] == info.run_id and row["status"] == "ok")
+    status.update(config_hash=info.config_hash, run_name=info.run_name, steps=int(cfg.train.steps),
+                  lengths=built.lengths, lengths_done=[r["eval_length"] for r in writer.rows])
+    write_hydra_record(cfg, run_dir)
+    atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     checkpointer = Checkpointer(run_dir, resolved, built.init_steps)
     saved = load_checkpoint(checkpointer.path, device) if checkpointer.path.exists() else None
     if saved is not None and run_identity(saved["config"]) != status.record["identity"]:
         raise ValueError(f"{checkpointer.path} belongs to another run; remove it or choose another hydra.run.dir")
-    status.update(config_hash=info.config_hash, run_name=info.run_name, steps=int(cfg.train.steps),
-                  lengths=built.lengths, lengths_done=[r["eval_length"] for r in writer.rows])
     logger = build_logger(cfg.logger, info.flat_config(resolved), info.run_name, run_dir, info.run_id)
     print(f"{info.run_name}: {info.n_params:,} parameters on {device}; evaluating lengths {built.lengths}; "
           f"writing {run_dir}")
@@ -491,11 +541,9 @@ def run_built(cfg: DictConfig, built: Built, device: torch.device, run_dir: Path
             if trained.status == "ok" and trained.step:
                 checkpointer.save(built.model, trained)  # the trained model, kept for the evaluation to resume
     except Exception as err:
-        failed = f"failed: {error_text(err)}"[:500]
         info.train_steps = status.record.get("step", 0)
-        for length in built.lengths:
-            writer.write(length_row(info, built, cfg, length) | {"status": failed, **UNMEASURED})
-        status.update(state="failed", error=failed.removeprefix("failed: "))
+        write_failed_rows(writer, [length_row(info, built, cfg, length) | failed_fields(err)
+                                   for length in built.lengths])
         raise
     info.train_steps, info.train_seconds = trained.step, round(trained.seconds, 2)
     info.train_tokens_per_s = trained.tokens_per_s()
@@ -513,8 +561,7 @@ def run_built(cfg: DictConfig, built: Built, device: torch.device, run_dir: Path
             try:
                 row |= {"status": "ok", **evaluate(built, length, cfg.eval, device, cfg.train.precision, stop)}
             except Exception as err:
-                writer.write(row | {"status": f"failed: {error_text(err)}"[:500], **UNMEASURED})
-                status.update(state="failed", error=error_text(err)[:1000])
+                write_failed_rows(writer, [row | failed_fields(err)])
                 raise
         writer.write(row)
         logger.log_eval(row)
@@ -522,13 +569,18 @@ def run_built(cfg: DictConfig, built: Built, device: torch.device, run_dir: Path
         status.update(lengths_done=[r["eval_length"] for r in rows])
     if not cfg.train.save_checkpoint:
         checkpointer.path.unlink(missing_ok=True)
+    status.update(phase="figures", length=None)
     curve = run_dir / "curve.png"
     plot_run(rows, curve)
     built.task.write_figures(rows, run_dir)
-    print_table(rows, trained)
     logger.finish(rows, curve, trained.status)
-    status.update(state=trained.status, phase="done", length=None)
+    status.update(state=trained.status, phase="done")
+    print(closing_table(info, run_dir, rows, trained), flush=True)
     return rows
+
+
+def failed_fields(err: Exception) -> dict:
+    return {"status": f"failed: {error_text(err)}"[:500], **UNMEASURED}
 
 
 def run_info(cfg: DictConfig, built: Built, device: torch.device, run_id: str, resolved: dict) -> RunInfo:
@@ -546,7 +598,7 @@ def run_info(cfg: DictConfig, built: Built, device: torch.device, run_id: str, r
         train_length=built.train_length, train_sequence_length=built.task.sequence_length(built.train_length),
         train_lengths=cfg.train.lengths, positions=built.positions.scheme, max_position=built.positions.max_position,
         device=str(device), torch=torch.__version__, git_commit=git_commit(), init_from=built.init_from,
-        init_steps=built.init_steps, config=config)
+        init_steps=built.init_steps, untrained=built.untrained, config=config)
 
 
 def length_row(info: RunInfo, built: Built, cfg: DictConfig, length: int) -> dict:
@@ -559,18 +611,22 @@ TABLE_METRICS = ("exact_match", "token_acc", "loss", "perplexity", "sliding_perp
                  "bits_per_byte")
 
 
-def print_table(rows: list[dict], trained: TrainProgress) -> None:
+def closing_table(info: RunInfo, run_dir: Path, rows: list[dict], trained: TrainProgress) -> str:
+    """The run's closing summary, headed by its name and directory: printed in one write, so the tables
+    of parallel jobs (a joblib sweep) neither interleave nor lose their run."""
     speed = trained.tokens_per_s()
-    print(f"\nstatus {trained.status}; {trained.step} training steps in {trained.seconds:.0f} s"
-          + (f"; train {speed:,.0f} tokens/s" if speed else ""))
+    lines = [f"\n{info.run_name} ({run_dir}): status {trained.status}"
+             + (" (untrained: train.steps=0 without train.init_from)" if info.untrained else "")
+             + f"; {trained.step} training steps in {trained.seconds:.0f} s"
+             + (f"; train {speed:,.0f} tokens/s" if speed else "")]
     measured = [r for r in rows if r["status"] == "ok"]
     metrics = [m for m in TABLE_METRICS if measured and measured[0].get(m) is not None]
     header = f"{'length':>7} {'ratio':>6} " + " ".join(f"{m:>11}" for m in metrics) + f" {'eval tok/s':>11}"
-    print(header)
-    print("-" * len(header))
+    lines += [header, "-" * len(header)]
     for r in rows:
         if r["status"] != "ok":
-            print(f"{r['eval_length']:>7} {r['ratio']:>6.2f} {r['status']}")
+            lines.append(f"{r['eval_length']:>7} {r['ratio']:>6.2f} {r['status']}")
             continue
         values = " ".join(f"{r[m]:>11.4f}" for m in metrics)
-        print(f"{r['eval_length']:>7} {r['ratio']:>6.2f} {values} {r['eval_tokens_per_s']:>11,.0f}")
+        lines.append(f"{r['eval_length']:>7} {r['ratio']:>6.2f} {values} {r['eval_tokens_per_s']:>11,.0f}")
+    return "\n".join(lines)

@@ -97,6 +97,7 @@ def killed_runs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
             expected_code = -signal.SIGKILL if signal_name == "SIGKILL" else 128 + signal.SIGTERM
             assert result.returncode == expected_code, result.stderr[-3000:]
             record = status(run_dir)
+            assert (run_dir / "run.lock").exists() == (signal_name == "SIGKILL")  # released unless SIGKILLed
             if signal_name == "SIGTERM":  # answered: a checkpoint at the step it stopped, the status says so
                 assert record["state"] == "killed" and record["signal"] == "SIGTERM", record
                 assert "the same command resumes it" in result.stdout
@@ -120,6 +121,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_rows(uninterrupted, killed_ru
     record = status(run_dir)
     assert record["state"] == "ok" and record["resumed"] == len(case[2])
     assert len({row["run_id"] for row in read_rows(run_dir)}) == 1  # one run, however many processes it took
+    assert not (run_dir / "run.lock").exists()
 
 
 def test_the_report_lists_the_killed_runs_that_were_not_resumed(killed_runs, tmp_path):
