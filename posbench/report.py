@@ -20,17 +20,18 @@ import itertools
 import json
 import math
 import re
+import sys
 from functools import cache
 from pathlib import Path
 
 import yaml
 
-from posbench.headline import (DEFAULT_THRESHOLD, HEADLINE_METRICS, SCORES, criterion, lower_is_better,
-                               primary_metric, run_headline, spread)
-from posbench.results import (METRIC_LABELS, collect, plot_cost, plot_curves, plot_heatmap, plot_ranking,
-                              plot_scaling)
+from posbench.headline import (DEFAULT_THRESHOLD, HEADLINE_METRICS, LEARNED_AT_N, SCORES, criterion, learned,
+                               lower_is_better, primary_metric, run_headline, spread)
+from posbench.results import (METRIC_LABELS, Skipped, collect, plot_cost, plot_curves, plot_heatmap,
+                              plot_ranking, plot_scaling, read_run_files, skipped_lines, skipped_summary, undecodable)
 from posbench import published
-from posbench.rundir import FINAL_STATES, describe
+from posbench.rundir import FINAL_STATES, STATUS_FILE, describe
 from posbench.runinfo import flatten, with_added_settings
 from posbench.sweeps import sweep_progress
 
@@ -44,12 +45,36 @@ COST_COLUMNS = ("eval_tokens_per_s", "peak_mem_mb")
 
 
 @cache
-def run_config(source: str) -> dict:
-    """The run directory's resolved config.yaml ({} when absent or unreadable)."""
+def read_config(source: str) -> tuple[dict, Skipped | None]:
+    """The run directory's resolved config.yaml ({} when absent), and why it could not be used
+    when it could not: the run's steps and lengths then come from its rows."""
+    file = Path(source) / "config.yaml"
     try:
-        return yaml.safe_load((Path(source) / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return {}
+        data = file.read_bytes()
+        config = yaml.safe_load(data.decode())
+    except FileNotFoundError:
+        return {}, None
+    except OSError as err:
+        where, reason = None, f"unreadable: {err.strerror or err}"
+    except UnicodeDecodeError as err:
+        where, reason = undecodable(data, err)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where, reason = (mark.line + 1 if mark else None), f"not YAML: {getattr(err, 'problem', None) or err}"
+    else:
+        if config is None or isinstance(config, dict):
+            return config or {}, None
+        where, reason = None, "not a mapping of settings"
+    return {}, Skipped(file, where, f"{reason} (the run's steps and lengths come from its rows)", whole_file=True)
+
+
+def run_config(source: str) -> dict:
+    return read_config(source)[0]
+
+
+def unreadable_configs(sources) -> list[Skipped]:
+    """The config.yaml files of these run directories that could not be used."""
+    return [problem for source in sorted(set(sources)) if (problem := read_config(source)[1])]
 
 
 def configured_steps(source: str) -> int | None:
@@ -254,6 +279,9 @@ def headline_table(frame, runs, summary, threshold: float):
                   "seeds": ",".join(map(str, sorted(part["seed"]))), "incomplete_runs": int((~part["complete"]).sum())}
         for score in SCORES:
             record |= {f"{score}_{stat}": v for stat, v in spread(part[score]).items()}
+        record["learned"] = learned(metric, record["id_score_mean"])
+        record["learned_runs"] = (None if record["learned"] is None
+                                  else sum(learned(metric, score) for score in part["id_score"]))
         record |= {f"train_tokens_per_s_{stat}": v for stat, v in spread(part["train_tokens_per_s"]).items()}
         for column in COST_COLUMNS:
             record |= {f"{column}_at_longest_{stat}": at_longest.get(f"{column}_{stat}", math.nan)
@@ -267,32 +295,38 @@ def headline_table(frame, runs, summary, threshold: float):
 
 
 def add_ranking(headline):
-    """rank_in_task: rank of the mean OOD score among the task's groups of one setting and model
-    size (1 = best; ties share the better rank; a group without an OOD score ranks last); mrr: the mean
-    over tasks of 1 / rank for the group's rank_label (its encoding label and size; a task and
-    setting, e.g. copy's cmc and rsc, counts as a task of its own: ranked_on), as Kazemnejad et al.
-    (2023) rank encodings; tasks: how many it was ranked on."""
+    """rank_in_task: rank of the mean OOD score among the task's learned groups of one setting and
+    model size (1 = best; ties share the better rank; a group without an OOD score ranks last; a group
+    that did not learn the task, `learned` False, is not ranked: NaN); mrr: the mean over tasks of
+    1 / rank for the group's rank_label (its encoding label and size; a task and setting, e.g. copy's
+    cmc and rsc, counts as a task of its own: ranked_on), 0 on a task not learned, as a mean
+    reciprocal rank counts an item never found, after Kazemnejad et al. (2023), who rank encodings
+    by it; tasks: how many it ran on."""
     headline = headline.copy()
     headline["ranked_on"] = [f"{task} {setting}".strip() for task, setting in zip(headline["task"], headline["setting"])]
     headline["rank_label"] = [f"{e} [{z}]" if z else e for e, z in zip(headline["encoding_label"], headline["size"])]
-    headline["rank_in_task"] = 0
-    for _, part in headline.groupby(["task", "setting", "size"]):
+    headline["rank_in_task"] = math.nan
+    ranked = headline[headline["learned"].ne(False)]  # learned, or a metric without a bar (None)
+    for _, part in ranked.groupby(["task", "setting", "size"]):
         ascending = lower_is_better(part["metric"].iloc[0])
-        ranks = part["ood_score_mean"].rank(method="min", ascending=ascending, na_option="bottom")
-        headline.loc[part.index, "rank_in_task"] = ranks.astype(int)
-    reciprocal = 1 / headline["rank_in_task"]
+        headline.loc[part.index, "rank_in_task"] = part["ood_score_mean"].rank(method="min", ascending=ascending,
+                                                                                na_option="bottom")
+    reciprocal = (1 / headline["rank_in_task"]).fillna(0.0)
     headline["mrr"] = reciprocal.groupby(headline["rank_label"]).transform("mean")
     headline["tasks"] = headline.groupby("rank_label")["ranked_on"].transform("nunique")
     return headline.sort_values(["task", "rank_in_task", "label"]).reset_index(drop=True)
 
 
 def ranking_table(headline):
+    """One row per rank label: its MRR, the number of tasks, how many of them it did not learn, and
+    its rank on each (task and setting; NaN where not learned or not run)."""
     import pandas as pd
 
-    """One row per rank label: its MRR, the number of tasks and its rank on each (task and setting)."""
-    ranks = headline.pivot_table(index="rank_label", columns="ranked_on", values="rank_in_task", aggfunc="first")
+    ranks = headline.pivot_table(index="rank_label", columns="ranked_on", values="rank_in_task", aggfunc="first",
+                                 dropna=False)  # keeps a task no group learned
     ranks.columns = [f"rank on {task}" for task in ranks.columns]
-    mrr = headline.groupby("rank_label").agg(mrr=("mrr", "first"), tasks=("tasks", "first"))
+    mrr = headline.groupby("rank_label").agg(mrr=("mrr", "first"), tasks=("tasks", "first"),
+                                             not_learned=("learned", lambda s: int(s.eq(False).sum())))
     table = pd.concat([mrr, ranks], axis=1).rename_axis("label").reset_index()
     return table.sort_values(["mrr", "label"], ascending=[False, True])
 
@@ -403,11 +437,23 @@ def pm(record, column: str, kind: str = "score") -> str:
     return f"{fmt(record[f'{column}_mean'], kind)} ± {fmt(record[f'{column}_std'], kind)}"
 
 
+def not_learned(record) -> bool:
+    """Whether a headline record is marked not learned (learned False; None: a metric without a bar)."""
+    return record["learned"] is not None and not record["learned"]
+
+
+def rank_text(record) -> str:
+    """A group's rank on its task as the tables show it: the number, or why it has none."""
+    if not_learned(record):
+        return "not learned (N not measured)" if math.isnan(record["id_score_mean"]) else "not learned"
+    return fmt(record["rank_in_task"], "int")
+
+
 def headline_rows(headline):
     """The headline table as shown in report.md/html: mean ± std over seeds."""
     rows = []
     for _, r in headline.iterrows():
-        rows.append({"task": r["task"], "group": r["label"], "rank": fmt(r["rank_in_task"], "int"),
+        rows.append({"task": r["task"], "group": r["label"], "rank": rank_text(r),
                      "seeds (runs)": f"{r['seeds']} ({r['runs']})", "metric": r["metric"],
                      "at N": pm(r, "id_score"), "past N (OOD)": pm(r, "ood_score"),
                      "extrapolation L": pm(r, "extrapolation_length", "int"),
@@ -422,10 +468,21 @@ def headline_rows(headline):
 def by_task_rows(headline, ranking) -> list[dict]:
     """Rank label × task (and setting): the OOD score, mean ± std over seeds, and the score at N
     in brackets; rows in the order of the ranking across tasks."""
-    cells = {(r["rank_label"], r["ranked_on"]): f"{pm(r, 'ood_score')} ({fmt(r['id_score_mean'])})"
-             for _, r in headline.iterrows()}
+    cells = {(r["rank_label"], r["ranked_on"]): f"{pm(r, 'ood_score')} ({fmt(r['id_score_mean'])}"
+             + (", not learned)" if not_learned(r) else ")") for _, r in headline.iterrows()}
     tasks = sorted(headline["ranked_on"].unique())
     return [{"group": label, **{task: cells.get((label, task), "") for task in tasks}} for label in ranking["label"]]
+
+
+def ranking_rows(headline, ranking) -> list[dict]:
+    """The ranking across tasks as shown: per rank label its MRR, tasks, and rank on each task
+    ('not learned' where it did not learn it, '–' where it did not run)."""
+    ranks = {(r["rank_label"], r["ranked_on"]): rank_text(r) for _, r in headline.iterrows()}
+    tasks = sorted(headline["ranked_on"].unique())
+    return [{"group": r["label"], "MRR": fmt(r["mrr"]), "tasks": str(r["tasks"]),
+             "not learned": str(r["not_learned"]) if r["not_learned"] else "",
+             **{f"rank on {task}": ranks.get((r["label"], task), "–") for task in tasks}}
+            for _, r in ranking.iterrows()]
 
 
 def params_text(params_json: str) -> str:
@@ -462,7 +519,8 @@ def orderings_blocks(orderings) -> list:
     return [("h2", "Orderings across model sizes"), ("p", text), ("table", rows)]
 
 
-def build_blocks(frame, runs, headline, comparison, orderings, figures: dict[str, Path], out: Path) -> list:
+def build_blocks(frame, runs, headline, comparison, orderings, figures: dict[str, Path], out: Path,
+                 skipped: list[Skipped]) -> list:
     """The report as a list of (kind, content) blocks: h1, h2, p, list, table (list of dicts), figure."""
     problems = runs[runs["status"] != "ok"]
     rowless = runs_without_rows(frame)
@@ -485,6 +543,7 @@ def build_blocks(frame, runs, headline, comparison, orderings, figures: dict[str
         f"{', '.join(sorted(frame['torch'].dropna().unique()))}; commits "
         f"{', '.join(sorted({str(c)[:12] for c in frame['git_commit'].dropna()}))}.",
         f"Rows written {frame['time'].min()} to {frame['time'].max()}, read from {', '.join(sources)}.",
+        *([f"Skipped input: {skipped_summary(skipped)}, each named under 'Skipped input' below."] if skipped else []),
     ])]
     blocks += [("h2", "Headline metrics"), ("p",
         "Per group, mean ± sample standard deviation over seeds ('–': one seed, or nothing measured); "
@@ -493,13 +552,16 @@ def build_blocks(frame, runs, headline, comparison, orderings, figures: dict[str
         "Extrapolation L: the largest evaluated length up to which the criterion holds at every "
         "evaluated length (0: not even the shortest); L / N the same as a ratio. Criteria: "
         + "; ".join(sorted(set(headline["criterion"]))) + ". Throughput and memory are means over seeds; "
-        "rank is the rank of the OOD score within the task (its setting and model size)."),
+        "rank is the rank of the OOD score within the task (its setting and model size) among the groups "
+        f"that learned it: 'not learned' when the accuracy at N is below {LEARNED_AT_N:g} "
+        "(posbench.headline.LEARNED_AT_N; perplexity has no such bar), listed after the ranked groups."),
         ("table", headline_rows(headline))]
     ranking = ranking_table(headline)
     if headline["ranked_on"].nunique() > 1:
         blocks += [("h2", "Past N by task"), ("p",
             "The OOD score of each group on each task, mean ± sample standard deviation over seeds, and in "
-            "brackets the mean at N; groups in the order of the ranking across tasks below."),
+            "brackets the mean at N ('not learned': below the bar at N, not ranked); groups in the order of the "
+            "ranking across tasks below."),
             ("table", by_task_rows(headline, ranking))]
     for source, part in comparison.groupby("source", sort=False) if len(comparison) else ():
         notes = sorted({n for n in part["note"] if n})
@@ -512,12 +574,12 @@ def build_blocks(frame, runs, headline, comparison, orderings, figures: dict[str
     blocks += [("h2", "Ranking across tasks"), ("p",
         "Mean reciprocal rank of the OOD score per group label over the tasks it ran on (1 = best "
         "on every task; ties share the better rank; a group without an OOD score ranks last), as "
-        "Kazemnejad et al. (2023) rank encodings; a rank is among this report's groups on that task."
+        "Kazemnejad et al. (2023) rank encodings; a rank is among this report's groups on that task "
+        f"that learned it. A task not learned (accuracy at N below {LEARNED_AT_N:g}) has no rank and "
+        "counts 0 in the mean, as a mean reciprocal rank counts an item never found."
         + (" Groups ran on different numbers of tasks here: compare MRRs only between groups ranked on "
            "the same tasks." if headline["tasks"].nunique() > 1 else "")),
-        ("table", [{"group": r["label"], "MRR": fmt(r["mrr"]), "tasks": str(r["tasks"]),
-                    **{c: fmt(r[c], "int") for c in ranking.columns if c.startswith("rank on ")}}
-                   for _, r in ranking.iterrows()]),
+        ("table", ranking_rows(headline, ranking)),
         ("figure", figures["ranking"], "Mean reciprocal rank of the OOD score across tasks.")]
     blocks += [("h2", "Figures")]
     lines = ("line: mean over seeds, band: min..max over seeds" if headline["runs"].max() > 1
@@ -532,7 +594,9 @@ def build_blocks(frame, runs, headline, comparison, orderings, figures: dict[str
                        "within one setting and model size."))
     blocks += [("figure", figures["heatmap"], "OOD score (mean over seeds) per group and task."),
                ("figure", figures["cost"], "Evaluation throughput and peak memory against evaluation length "
-                "(mean over seeds; on CPU the peak is the process's resident high-water mark).")]
+                "(mean over seeds; y axes from zero). On CPU the peak is the whole process's resident high-water "
+                "mark, mostly torch itself and the model, so it grows little with the length; on CUDA it is the "
+                "memory torch allocated for tensors.")]
     if orderings is not None:
         blocks += orderings_blocks(orderings)
     blocks.append(("h2", "Runs that did not finish every length"))
@@ -548,9 +612,12 @@ def build_blocks(frame, runs, headline, comparison, orderings, figures: dict[str
     if rowless:
         blocks += [("p", "Runs that wrote no rows (stopped, killed or failed before their first evaluated length; "
                     "the same command resumes one from its last checkpoint):"), ("table", rowless)]
-    unreadable = frame.attrs.get("unreadable", [])
-    if unreadable:
-        blocks += [("p", "Unreadable lines, skipped:"), ("list", unreadable)]
+    if skipped:
+        blocks += [("h2", "Skipped input"), ("p",
+            f"Skipped: {skipped_summary(skipped)}. Lines that are not UTF-8 text, not JSON (a torn or "
+            "truncated line) or not a result row (one without the run, task, encoding, seed and lengths, or "
+            "with values of the wrong type), and files that could not be read. The tables above leave them "
+            "out; a skipped status.json leaves its run's state to its rows."), ("list", skipped_lines(skipped))]
     blocks += [("h2", "Files"), ("list", [
         "results.csv: every row; summary.csv: per group and evaluation length, mean/std/min/max/n over seeds;",
         "headline.csv: per group, the headline scores (mean/std/min/max/n over seeds), cost and ranking;",
@@ -654,6 +721,9 @@ def write_report(paths, out=None, metric: str | None = None, threshold: float = 
         raise ValueError(f"--metric {metric}: no row measures it; these rows measure {present}")
     out = Path(out or paths[0])
     out.mkdir(parents=True, exist_ok=True)
+    skipped = frame.attrs["skipped"] + unreadable_configs(frame["source"])
+    for line in skipped_lines(skipped):
+        print(f"warning: skipped {line}", file=sys.stderr)
     frame = add_groups(frame).sort_values(["task", "label", "seed", "eval_length"]).reset_index(drop=True)
     metrics = task_metrics(frame, metric)
     runs = run_table(frame, metrics, threshold)
@@ -663,7 +733,7 @@ def write_report(paths, out=None, metric: str | None = None, threshold: float = 
 
     frame.to_csv(out / "results.csv", index=False)
     summary.to_csv(out / "summary.csv", index=False)
-    headline.to_csv(out / "headline.csv", index=False)
+    headline.astype({"rank_in_task": "Int64"}).to_csv(out / "headline.csv", index=False)  # NaN: not ranked
     if len(comparison):
         comparison.to_csv(out / "published.csv", index=False)
     figures = {}
@@ -683,7 +753,7 @@ def write_report(paths, out=None, metric: str | None = None, threshold: float = 
         plot_scaling(headline, figures["scaling"])
         orderings = ordering_table(headline)
         orderings.to_csv(out / "orderings.csv", index=False)
-    blocks = build_blocks(frame, runs, headline, comparison, orderings, figures, out)
+    blocks = build_blocks(frame, runs, headline, comparison, orderings, figures, out, skipped)
     (out / "report.md").write_text(render_markdown(blocks))
     (out / "report.html").write_text(render_html(blocks))
 
@@ -699,6 +769,8 @@ def write_report(paths, out=None, metric: str | None = None, threshold: float = 
               f"finished {lengths_text(r['finished_lengths'])}")
     for r in runs_without_rows(frame):
         print(f"no rows: {r['run']} ({r['directory']}): {r['status']}")
+    if skipped:
+        print(f"skipped {skipped_summary(skipped)}: listed in report.md under 'Skipped input'")
     print(f"wrote report.md, report.html, results.csv, summary.csv, headline.csv and "
           f"{', '.join(p.name for p in figures.values())} to {out}")
     return out
@@ -706,26 +778,34 @@ def write_report(paths, out=None, metric: str | None = None, threshold: float = 
 
 def progress(paths) -> list[str]:
     """One line per run directory under paths with a status record: its name, where it stands, the
-    lengths written; then the count per state, and for each sweep directory given, its jobs finished
-    of the total and the time left (posbench.sweeps). What `--progress` prints for a sweep under way."""
-    from posbench.results import find_run_files
-    from posbench.rundir import read_status
-
-    _, status_files = find_run_files(paths)
-    lines, states, records = [], {}, {}
-    for file in status_files:
-        status = records[file.parent] = read_status(file.parent) or {}
-        text = describe(status)
+    lengths written; then the count per state and of the input the report would skip (the same
+    count: both read through posbench.results.read_run_files), each skipped line and file, and for
+    each sweep directory given, its jobs finished of the total and the time left (posbench.sweeps).
+    What `--progress` prints for a sweep under way."""
+    rows, statuses, skipped = read_run_files(paths)
+    skipped += unreadable_configs(row["source"] for row in rows)
+    unreadable = {str(item.file.parent): item for item in skipped if item.file.name == STATUS_FILE}
+    if not statuses and not unreadable:
+        raise FileNotFoundError(f"no run directories with a status.json under {[str(p) for p in paths]}")
+    # a run whose status.json is unreadable stands as 'unreadable': started, state unknown
+    records = statuses | {run_dir: {"state": "unreadable"} for run_dir in unreadable}
+    lines, states = [], {}
+    for run_dir, status in sorted(records.items()):
+        if run_dir in unreadable:
+            text = f"unreadable status.json ({unreadable[run_dir]})"
+            lines.append(f"{Path(run_dir).name}: {text}")
+        else:
+            text = describe(status)
+            done = status.get("lengths_done") or []
+            lines.append(f"{status.get('run_name') or Path(run_dir).name}: {text}; lengths written "
+                         f"{lengths_text(done)} of {lengths_text(status.get('lengths') or [])} ({run_dir})")
         state = text.split(" ")[0]
         states[state] = states.get(state, 0) + 1
-        done = status.get("lengths_done") or []
-        lines.append(f"{status.get('run_name') or file.parent.name}: {text}; lengths written "
-                     f"{lengths_text(done)} of {lengths_text(status.get('lengths') or [])} ({file.parent})")
-    if not lines:
-        raise FileNotFoundError(f"no run directories with a status.json under {[str(p) for p in paths]}")
-    lines.append(", ".join(f"{n} {state}" for state, n in sorted(states.items())))
+    counts = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
+    lines.append(counts + (f"; skipped {skipped_summary(skipped)}, as the report skips them:" if skipped else ""))
+    lines += [f"  {line}" for line in skipped_lines(skipped)]
     for sweep in map(Path, paths):  # a sweep directory: its jobs against the total, and the time left
-        inside = [status for run_dir, status in records.items() if sweep in run_dir.parents]
+        inside = [status for run_dir, status in records.items() if sweep in Path(run_dir).parents]
         line = sweep_progress(sweep, inside) if sweep.is_dir() else None
         if line:
             lines.append(line)

@@ -6,10 +6,12 @@ measured, so a crash loses nothing already written.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
+from posbench.headline import HEADLINE_METRICS, LEARNED_AT_N
 from posbench.memory import PER_STRETCH_KINDS
-from posbench.rundir import STATUS_FILE, atomic_write, describe, read_status
+from posbench.rundir import STATUS_FILE, atomic_write, describe
 from posbench.runinfo import RUN_KEYS
 
 ROW_FILE = "results.jsonl"
@@ -75,33 +77,161 @@ def find_run_files(paths) -> tuple[list[Path], list[Path]]:
     return rows, statuses
 
 
-def collect(paths):
-    """Every row under the given run/sweep directories (or results.jsonl files) -> DataFrame.
+# What a row needs for the report to place it, and the type of each: a line without them is skipped.
+REQUIRED_KEYS = {"run_id": str, "run_name": str, "status": str, "task": str, "encoding": str, "seed": int,
+                 "train_length": int, "eval_length": int, "ratio": (int, float)}
+OBJECT_KEYS = ("encoding_params", "task_params", "model", "config")  # JSON objects where present
+NUMBER_KEYS = (*HEADLINE_METRICS, "eval_tokens_per_s", "peak_mem_mb", "train_tokens_per_s", "train_seconds",
+               "train_steps", "n_params")  # numbers where present: the report averages them
 
-    Lines that cannot be parsed are skipped with a warning and listed in
-    frame.attrs["unreadable"] as "file:line: error"; frame.attrs["statuses"] maps every run
-    directory found with a status.json to its record, rows or not."""
+
+@dataclass(frozen=True)
+class Skipped:
+    """Input the report could not use: one line of a results.jsonl, or a whole file (whole_file;
+    line, where known, says where it breaks)."""
+    file: Path
+    line: int | None
+    reason: str
+    whole_file: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.file}{'' if self.line is None else f':{self.line}'}: {self.reason}"
+
+
+def _type_ok(value, kind) -> bool:
+    return isinstance(value, kind) and not isinstance(value, bool)  # JSON true is no number
+
+
+def row_problem(row) -> str | None:
+    """Why a parsed line is not a row the report can use, or None."""
+    if not isinstance(row, dict):
+        return f"a JSON {type(row).__name__}, not a row object"
+    missing = [key for key in REQUIRED_KEYS if row.get(key) is None]
+    if missing:
+        return f"not a result row: it lacks {missing}"
+    wrong = [key for key, kind in REQUIRED_KEYS.items() if not _type_ok(row[key], kind)]
+    wrong += [key for key in NUMBER_KEYS if row.get(key) is not None and not _type_ok(row[key], (int, float))]
+    wrong += [key for key in OBJECT_KEYS if row.get(key) is not None and not isinstance(row[key], dict)]
+    if wrong:
+        return "values of the wrong type: " + ", ".join(f"{key}={json.dumps(row[key])[:40]}" for key in wrong)
+    return None
+
+
+def undecodable(data: bytes, err: UnicodeDecodeError) -> tuple[int, str]:
+    """The line of data where err happened and what it says."""
+    line_start = data.rfind(b"\n", 0, err.start) + 1
+    return (data.count(b"\n", 0, err.start) + 1,
+            f"not UTF-8 text (byte 0x{data[err.start]:02x} at column {err.start - line_start + 1})")
+
+
+def read_row_file(file: Path) -> tuple[list[dict], list[Skipped]]:
+    """The rows of one results.jsonl, each with its source (the run directory), and the lines
+    skipped: not UTF-8, not JSON (a torn or truncated line) or not a row (row_problem)."""
+    try:
+        data = file.read_bytes()
+    except OSError as err:
+        return [], [Skipped(file, None, f"unreadable: {err.strerror or err}", whole_file=True)]
+    rows, skipped = [], []
+    for line_no, line in enumerate(data.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line.decode())
+        except UnicodeDecodeError as err:
+            skipped.append(Skipped(file, line_no, undecodable(line, err)[1]))
+            continue
+        except json.JSONDecodeError as err:
+            last = line_no == data.count(b"\n") + 1  # the file ends without a newline after this line
+            torn = " (the file ends mid-line: a truncated last line)" if last else ""
+            skipped.append(Skipped(file, line_no, f"not JSON: {err.msg} (column {err.colno}){torn}"))
+            continue
+        problem = row_problem(row)
+        if problem:
+            skipped.append(Skipped(file, line_no, problem))
+            continue
+        rows.append(row | {"source": str(file.parent)})
+    return rows, skipped
+
+
+def read_status_file(file: Path) -> tuple[dict | None, Skipped | None]:
+    """A status.json's record, or None and why it cannot be used (unreadable, not UTF-8, not JSON,
+    not an object with a state)."""
+    try:
+        data = file.read_bytes()
+        record = json.loads(data.decode())
+    except OSError as err:
+        where, reason = None, f"unreadable: {err.strerror or err}"
+    except UnicodeDecodeError as err:
+        where, reason = undecodable(data, err)
+    except json.JSONDecodeError as err:
+        where, reason = err.lineno, f"not JSON: {err.msg} (column {err.colno})"
+    else:
+        if isinstance(record, dict) and isinstance(record.get("state"), str):
+            return record, None
+        where, reason = None, "not a status record: no state"
+    return None, Skipped(file, where, reason, whole_file=True)
+
+
+def read_run_files(paths) -> tuple[list[dict], dict[str, dict], list[Skipped]]:
+    """Every usable row and status record under paths, and what was skipped: the rows, the
+    status records by run directory, the skipped lines and files. The report and --progress
+    both read through here, so they count the same skipped input."""
+    files, status_files = find_run_files(paths)
+    rows, statuses, skipped = [], {}, []
+    for file in files:
+        found, bad = read_row_file(file)
+        rows += found
+        skipped += bad
+    for file in status_files:
+        record, problem = read_status_file(file)
+        if record is None:
+            skipped.append(problem)
+        else:
+            statuses[str(file.parent)] = record
+    return rows, statuses, skipped
+
+
+def skipped_summary(skipped: list[Skipped]) -> str:
+    """'3 lines in 2 files and 1 whole file (status.json)': the count of skipped input the report and
+    --progress print."""
+    def count(n: int, noun: str) -> str:
+        return f"{n} {noun}{'s' * (n != 1)}"
+
+    lines = [item for item in skipped if not item.whole_file]
+    files = [item for item in skipped if item.whole_file]
+    parts = [f"{count(len(lines), 'line')} in {count(len({item.file for item in lines}), 'file')}"] if lines else []
+    if files:
+        names = sorted({item.file.name for item in files})
+        parts.append(f"{count(len(files), 'whole file')} ({', '.join(names)})")
+    return " and ".join(parts)
+
+
+def skipped_lines(skipped: list[Skipped], per_file: int = 5) -> list[str]:
+    """One line per skipped item, file:line: reason; past per_file items of one file, a count."""
+    by_file: dict = {}
+    for item in skipped:
+        by_file.setdefault(item.file, []).append(item)
+    lines = []
+    for file, items in by_file.items():
+        lines += [str(item) for item in items[:per_file]]
+        if len(items) > per_file:
+            lines.append(f"{file}: {len(items) - per_file} more lines skipped")
+    return lines
+
+
+def collect(paths):
+    """Every usable row under the given run/sweep directories (or results.jsonl files) -> DataFrame.
+
+    frame.attrs["skipped"] lists the input left out (read_run_files); frame.attrs["statuses"]
+    maps every run directory found with a readable status.json to its record, rows or not."""
     import pandas as pd
 
-    files, status_files = find_run_files(paths)
-    statuses = {str(file.parent): read_status(file.parent) for file in status_files}
-    rows, unreadable = [], []
-    for file in files:
-        for line_no, line in enumerate(file.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                print(f"warning: skipping unreadable line {line_no} of {file}: {err}")
-                unreadable.append(f"{file}:{line_no}: {err}")
-                continue
-            row["source"] = str(file.parent)
-            rows.append(row)
+    rows, statuses, skipped = read_run_files(paths)
     if not rows:
         found = "".join(f"\n  {source}: {describe(status)}" for source, status in statuses.items())
         raise FileNotFoundError(f"no {ROW_FILE} rows found under {[str(p) for p in paths]}"
-                                + (f"; runs found without rows:{found}" if found else ""))
+                                + (f"; runs found without rows:{found}" if found else "")
+                                + "".join(f"\n  skipped {line}" for line in skipped_lines(skipped)))
     frame = pd.DataFrame(rows)
     for key in SCHEMA:  # rows written by an older version may lack newer keys
         if key not in frame:
@@ -109,9 +239,9 @@ def collect(paths):
     frame["init_steps"] = frame["init_steps"].fillna(0).astype(int)  # older rows: trained from scratch
     # a process-lifetime peak (rows before per-length measurement) says nothing about its own length
     frame.loc[~frame["mem_kind"].isin(PER_STRETCH_KINDS), "peak_mem_mb"] = None
-    for key in ("encoding_params", "task_params", "model", "config"):
+    for key in OBJECT_KEYS:
         frame[key] = frame[key].map(lambda v: json.dumps(v, sort_keys=True) if isinstance(v, dict) else v)
-    frame.attrs["unreadable"] = unreadable
+    frame.attrs["skipped"] = skipped
     frame.attrs["statuses"] = statuses
     return frame
 
@@ -307,16 +437,30 @@ def heatmap_figure(headline):
     return fig
 
 
+# What a row's peak_mem_mb measures, by its mem_kind (posbench.memory), as cost.png's axis says it.
+MEM_KIND_LABELS = {
+    "rss_hwm": "process peak RSS, MiB\n(the whole process: mostly torch and the model)",
+    "cuda_max_allocated": "peak CUDA memory allocated, MiB\n(torch's tensors: the model and the batch)"}
+
+
 def plot_cost(summary, path: str | Path) -> None:
-    """Evaluation throughput and peak memory against evaluation length, per task and group."""
+    """Saves cost_figure(summary) to path."""
+    _save(cost_figure(summary), path)
+
+
+def cost_figure(summary):
+    """Evaluation throughput and peak memory against evaluation length, per task and group; y axes
+    from zero, so a process's fixed memory does not read as growth."""
     plt = _pyplot()
     tasks = sorted(summary["task"].unique())
     styles = _line_styles(summary["label"].unique())
     measured = summary["peak_mem_mb_mean"].notna()
-    mem_kinds = ", ".join(sorted(summary.loc[measured, "mem_kind"].dropna().unique())) or "not measured per length"
+    mem_kinds = sorted({kind for kinds in summary.loc[measured, "mem_kind"].dropna() for kind in kinds.split(",")})
+    mem_label = " and ".join(MEM_KIND_LABELS.get(kind, f"peak memory, MiB ({kind})") for kind in mem_kinds)
     fig, axes = plt.subplots(2, len(tasks), figsize=(5.0 * len(tasks) + 2.5, 6.4), squeeze=False,
                              layout="constrained")
-    panels = (("eval_tokens_per_s", "evaluation tokens / s"), ("peak_mem_mb", f"peak memory, MiB ({mem_kinds})"))
+    panels = (("eval_tokens_per_s", "evaluation tokens / s"),
+              ("peak_mem_mb", mem_label or "peak memory, MiB (not measured per length)"))
     for col, task in enumerate(tasks):
         part = summary[summary["task"] == task]
         for row, (column, ylabel) in enumerate(panels):
@@ -332,28 +476,33 @@ def plot_cost(summary, path: str | Path) -> None:
             ax.minorticks_off()
             ax.set_xlabel(f"evaluation length ({task} units)")
             if column == "eval_tokens_per_s":
-                ax.yaxis.set_major_formatter(lambda v, _: f"{v / 1000:,.0f}k")
-            ax.set_ylabel(ylabel)
+                ax.yaxis.set_major_formatter(lambda v, _: f"{v / 1000:,.4g}k")
+            ax.set_ylabel(ylabel, fontsize=8)
+            ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
             if row == 0:
                 ax.set_title(f"{task} (mean over seeds)")
     _figure_legend(fig, axes.flat)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def plot_ranking(ranking, path: str | Path) -> None:
-    """Mean reciprocal rank of the OOD score across tasks, one bar per group label."""
+    """Mean reciprocal rank of the OOD score across tasks, one bar per group label, annotated with
+    its tasks and those it did not learn (which count 0; posbench.report.add_ranking)."""
     plt = _pyplot()
     ranking = ranking.sort_values(["mrr", "label"], ascending=[True, False])
     fig, ax = plt.subplots(figsize=(6.5, max(2.2, 0.3 * len(ranking) + 1.2)), constrained_layout=True)
     bars = ax.barh(ranking["label"], ranking["mrr"], color="tab:blue")
-    for bar, tasks in zip(bars, ranking["tasks"]):
-        ax.text(bar.get_width() + 0.01, bar.get_y() + bar.get_height() / 2, f"{tasks} task{'s' * (tasks > 1)}",
-                va="center", fontsize=7, color="grey")
-    ax.set_xlim(0, 1.15)
+    for bar, tasks, unlearned in zip(bars, ranking["tasks"], ranking["not_learned"]):
+        text = f"{tasks} task{'s' * (tasks > 1)}" + (f", {unlearned} not learned" if unlearned else "")
+        ax.text(bar.get_width() + 0.01, bar.get_y() + bar.get_height() / 2, text, va="center", fontsize=7,
+                color="grey")
+    ax.set_xlim(0, 1.3)
+    notes = [f"a task not learned (accuracy at N < {LEARNED_AT_N:g}) counts 0"] if ranking["not_learned"].any() else []
     if ranking["tasks"].nunique() > 1:
-        ax.set_title("groups ranked on different numbers of tasks: compare those with equal counts", fontsize=8)
+        notes.append("groups ranked on different numbers of tasks: compare those with equal counts")
+    if notes:
+        ax.set_title("\n".join(notes), fontsize=8)
     ax.set_xlabel("mean reciprocal rank of OOD score across tasks (1 = best on every task)")
     ax.tick_params(axis="y", labelsize=8)
     ax.grid(axis="x", alpha=0.3)

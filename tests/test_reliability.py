@@ -170,8 +170,8 @@ def test_a_sweep_over_model_sizes_is_faceted_by_size_and_ranked_within_each(tmp_
                               "nope [2.58k]", "nope [9.25k]"], params
     assert params["learned [2.58k]"] > params["nope [2.58k]"] == params["alibi [2.58k]"] == 2576
     assert set(headline["curve_label"]) == {"alibi", "learned", "nope"} and headline["runs"].tolist() == [2] * 6
-    for _, part in headline.groupby("size"):  # ranks 1 to 3 (or ties) within each size
-        assert sorted(part["rank_in_task"])[0] == 1 and len(part) == 3
+    for _, part in headline.groupby("size"):  # 12 steps learn nothing: not ranked, 0 in the MRR
+        assert len(part) == 3 and not part["learned"].any() and part["rank_in_task"].isna().all()
     assert (out / "ood_vs_parameters.png").stat().st_size > 10_000
     assert "OOD score against parameter count" in (out / "report.md").read_text()
     orderings = pd.read_csv(out / "orderings.csv")  # every pair, each compared at both sizes

@@ -212,7 +212,7 @@ def test_a_task_setting_is_ranked_on_its_own_and_the_mrr_pools_an_encoding_over_
     def group(task, setting, encoding, score):
         label = f"{encoding} {setting}".strip()
         return {"task": task, "setting": setting, "encoding_label": encoding, "curve_label": label, "label": label,
-                "size": "", "metric": "exact_match", "ood_score_mean": score}
+                "size": "", "metric": "exact_match", "ood_score_mean": score, "learned": True}
 
     headline = add_ranking(pd.DataFrame([
         group("copy", "variant=cmc", "alibi", 0.8), group("copy", "variant=cmc", "nope", 0.1),
