@@ -7,7 +7,26 @@ from pathlib import Path
 
 from posbench.headline import HEADLINE_METRICS, primary_metric, run_headline
 
+# The keys WandbLogger writes, declared once for the logger and the dashboard (posbench.dashboard),
+# so a renamed metric cannot leave a panel reading a key no run logs.
+TRAIN_STEP = "train/step"  # x-axis of the training metrics
+EVAL_LENGTH = "eval/length"  # x-axis of the evaluation metrics
 EVAL_KEYS = ("ratio", *HEADLINE_METRICS, "eval_tokens_per_s", "peak_mem_mb")  # logged per length when measured
+STATUS = "status"  # summary: ok, diverged, ...
+TRAIN_TOKENS_PER_S = "train/tokens_per_s"  # summary: training throughput (RunInfo.train_tokens_per_s)
+
+
+def train_key(name: str) -> str:
+    return f"train/{name}"
+
+
+def eval_key(name: str) -> str:
+    return f"eval/{name}"
+
+
+def headline_key(name: str) -> str:
+    """Summary key of a posbench.headline.Headline field."""
+    return f"headline/{name}"
 
 
 class NullLogger:
@@ -50,30 +69,32 @@ class WandbLogger:
         self.run = wandb.init(project=project, entity=entity, mode=wandb_mode(mode), name=run_name,
                               group=group, tags=tags, job_type=config.get("task"), config=config,
                               dir=str(dir or run_dir), reinit="finish_previous", id=run_id, resume="allow")
-        self.run.define_metric("train/step")
-        self.run.define_metric("train/*", step_metric="train/step")
-        self.run.define_metric("eval/length")
-        self.run.define_metric("eval/*", step_metric="eval/length")
+        self.run.define_metric(TRAIN_STEP)
+        self.run.define_metric(train_key("*"), step_metric=TRAIN_STEP)
+        self.run.define_metric(EVAL_LENGTH)
+        self.run.define_metric(eval_key("*"), step_metric=EVAL_LENGTH)
 
     def log_train(self, step: int, metrics: dict) -> None:
-        self.run.log({"train/step": step, **{f"train/{k}": v for k, v in metrics.items()}})
+        self.run.log({TRAIN_STEP: step, **{train_key(k): v for k, v in metrics.items()}})
 
     def log_eval(self, row: dict) -> None:
-        self.run.log({"eval/length": row["eval_length"],
-                      **{f"eval/{k}": row[k] for k in EVAL_KEYS if row.get(k) is not None}})
+        self.run.log({EVAL_LENGTH: row["eval_length"],
+                      **{eval_key(k): row[k] for k in EVAL_KEYS if row.get(k) is not None}})
 
     def finish(self, rows: list[dict], curve_png: Path | None, status: str) -> None:
         columns = ["eval_length", *[k for k in EVAL_KEYS if any(r.get(k) is not None for r in rows)]]
         table = self.wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])
         metric = primary_metric(rows)
-        payload = {"eval/curve": table,
-                   "eval/curve_plot": self.wandb.plot.line(table, "ratio", metric,
-                                                           title=f"{metric} vs eval/train length")}
+        payload = {eval_key("curve"): table,
+                   eval_key("curve_plot"): self.wandb.plot.line(table, "ratio", metric,
+                                                                title=f"{metric} vs eval/train length")}
         if curve_png is not None:
-            payload["eval/curve_png"] = self.wandb.Image(str(curve_png))
+            payload[eval_key("curve_png")] = self.wandb.Image(str(curve_png))
         self.run.log(payload)
         self.run.summary.update(headline_summary(rows))
-        self.run.summary["status"] = status
+        if rows and rows[0].get("train_tokens_per_s") is not None:  # the config's is logged before training
+            self.run.summary[TRAIN_TOKENS_PER_S] = rows[0]["train_tokens_per_s"]
+        self.run.summary[STATUS] = status
         self.run.finish(exit_code=0 if status == "ok" else 1)
 
 
@@ -81,7 +102,7 @@ def headline_summary(rows: list[dict]) -> dict:
     """The run's headline metrics as flat summary keys headline/<name> (NaN as None)."""
     head = run_headline(rows).as_dict()
     head["missing_lengths"] = ",".join(map(str, head["missing_lengths"]))
-    return {f"headline/{k}": None if isinstance(v, float) and math.isnan(v) else v for k, v in head.items()}
+    return {headline_key(k): None if isinstance(v, float) and math.isnan(v) else v for k, v in head.items()}
 
 
 def sweep_group() -> str | None:
@@ -93,9 +114,18 @@ def sweep_group() -> str | None:
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return None
     hydra_cfg = HydraConfig.get()
-    experiment = hydra_cfg.runtime.choices.get("experiment")
-    sweep = Path(hydra_cfg.sweep.dir).name
+    return sweep_group_name(hydra_cfg.runtime.choices.get("experiment"), hydra_cfg.sweep.dir)
+
+
+def sweep_group_name(experiment: str | None, sweep_dir: str | Path) -> str:
+    """<experiment>-<sweep dir name>, or the sweep dir name without an experiment."""
+    sweep = Path(sweep_dir).name
     return f"{experiment}-{sweep}" if experiment not in (None, "null") else sweep
+
+
+def run_group(configured: str | None, sweep: str | None, encoding: str, task: str) -> str:
+    """A run's wandb group: logger.group if set, else its sweep's (in a --multirun), else <encoding>-<task>."""
+    return configured or sweep or f"{encoding}-{task}"
 
 
 def build_logger(cfg, config: dict, run_name: str, run_dir: Path, run_id: str | None = None):
@@ -105,7 +135,7 @@ def build_logger(cfg, config: dict, run_name: str, run_dir: Path, run_id: str | 
     if name == "wandb":
         tags = [config["encoding"], config["task"], f"positions={config['positions']}",
                 f"N={config['train_length']}", *cfg.tags]
-        group = cfg.group or sweep_group() or f"{config['encoding']}-{config['task']}"
+        group = run_group(cfg.group, sweep_group(), config["encoding"], config["task"])
         return WandbLogger(config, run_name, group, tags, run_dir, project=cfg.project, entity=cfg.entity,
                            mode=cfg.mode, dir=cfg.dir, run_id=run_id)
     raise ValueError(f"unknown logger {name!r}; choose none or wandb")
