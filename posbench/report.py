@@ -87,7 +87,7 @@ def configured_lengths(source: str, train_length: int) -> list[int] | None:
     """The evaluation lengths the run was configured for (None without its config.yaml)."""
     from omegaconf import OmegaConf
 
-    from posbench.runner import eval_lengths
+    from posbench.build import eval_lengths
 
     evaluation = run_config(source).get("eval")
     try:

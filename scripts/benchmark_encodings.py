@@ -6,7 +6,7 @@
 
 Each (encoding, length) runs in a fresh child process (this script with --child): the
 Hydra config is composed as in a real run with `encoding=<name>` and `train.length=<length>`,
-the model comes from `posbench.runner.build` (so backend=auto, the model size and the
+the model comes from `posbench.build.build` (so backend=auto, the model size and the
 encoding's dims are the real ones), then warm-up and timed AdamW training steps run on
 `task.sample(batch, length)` batches at exactly that length, positions arange(T). Speed is
 the batch's tokens over the median timed step. Memory, in MiB over a baseline: `peak` from
@@ -80,8 +80,9 @@ def parse_list(text: str, kind, flag: str) -> list:
 def child(args: argparse.Namespace) -> None:
     import torch
 
+    from posbench.build import build, resolve_device, sync
     from posbench.memory import PeakMemory
-    from posbench.runner import build, make_optimizer, resolve_device, sync, train_step
+    from posbench.training import make_optimizer, train_step
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -96,7 +97,7 @@ def child(args: argparse.Namespace) -> None:
     data_gen = torch.Generator(device).manual_seed(int(cfg.seed))
 
     def step() -> tuple[torch.Tensor, int]:
-        """posbench.runner.train_step, the runner's own, on a batch at exactly this length."""
+        """posbench.training.train_step, the runner's own, on a batch at exactly this length."""
         batch = task.sample(batch_size, args.length, data_gen)
         pos = torch.arange(batch.inputs.shape[1], device=device)[None]  # [1, T] sequential positions
         loss, _ = train_step(model, model, task, batch, pos, optimizer, cfg.train, device)

@@ -3,7 +3,7 @@
     python scripts/benchmark_model_sizes.py [--models xs,small,medium,large] [--encoding rope]
         [--task copy] [--rounds 5] [--steps 4] [--threads 1]
 
-Every preset is built as a real run builds it (Hydra compose, posbench.runner.build) and
+Every preset is built as a real run builds it (Hydra compose, posbench.build.build) and
 steps on one fixed batch at N (train.batch_size sequences). Rounds interleave the presets
 (small, xs, medium, ... then again), each timing `--steps` AdamW steps with process CPU
 time; the table gives the median over rounds, the spread, the ratio to small and what
@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from posbench.runner import build, make_optimizer, train_step
+from posbench.build import build
+from posbench.training import make_optimizer, train_step
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 BASELINE = "small"

@@ -11,7 +11,7 @@ train, eval: one process, one thread, every model built first, then rounds that 
 model once in turn (floor, a, b, ..., floor, a, b, ...) with process CPU time, so a busy
 machine slows every model alike. The floor is nope: plain SDPA with is_causal and no
 encoding. Shape: a decoder of 4 layers, d_model 256, 8 heads, batch 8, on copy batches of
-`length` tokens (task length (length - 1) / 2). `train` times posbench.runner.train_step (the
+`length` tokens (task length (length - 1) / 2). `train` times posbench.training.train_step (the
 runner's own step: forward, loss, backward, clip, AdamW) and, for the encodings it shares,
 x-transformers' decoder of the same shape; `eval` times a no-grad forward with the runner's
 evaluation chunking. Ratios are per round against the floor's time in that round: median
@@ -59,7 +59,8 @@ def encoding_overrides(spec: str) -> list[str]:
 def build_posbench(encoding: str, tokens: int):
     import torch
 
-    from posbench.runner import build, make_optimizer
+    from posbench.build import build
+    from posbench.training import make_optimizer
     from scripts.benchmark_encodings import compose_cfg
 
     cfg = compose_cfg([*encoding_overrides(encoding), f"train.length={(tokens - 1) // 2}", "device=cpu", *SHAPE])
@@ -71,7 +72,8 @@ def posbench_step(encoding: str, tokens: int, training: bool):
     """A function that runs one training step (or one evaluation forward) of this encoding."""
     import torch
 
-    from posbench.runner import eval_chunk, train_step
+    from posbench.training import train_step
+    from posbench.validate import eval_chunk
 
     built, optimizer, cfg = build_posbench(encoding, tokens)
     generator = torch.Generator().manual_seed(0)

@@ -9,9 +9,10 @@ import torch
 from omegaconf import OmegaConf
 
 from posbench.attention import PositionContext, get_backend
+from posbench.build import build
 from posbench.model import ModelConfig, Transformer
 from posbench.runinfo import ADDED_SETTINGS, config_hash, group_config
-from posbench.runner import build, learning_rate
+from posbench.training import learning_rate
 from tests.helpers import compose_cfg, make_encoding
 
 

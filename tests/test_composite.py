@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from posbench.attention import AttentionCall, causal_mask, get_backend, query_key_hooks
+from posbench.build import build
 from posbench.encodings import REGISTRY
 from posbench.encodings.alibi import alibi_slopes
 from posbench.encodings.base import Encoding
 from posbench.encodings.sinusoidal import sinusoidal_table
-from posbench.runner import build
 from tests.helpers import compose_cfg, make_encoding
 
 D_MODEL, HEADS, LENGTH = 16, 2, 7

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
+from posbench.build import build, eval_lengths
 from posbench.encodings import REGISTRY as ENCODINGS
-from posbench.runner import build, eval_lengths
 from tasks import REGISTRY as TASKS
 from tests.helpers import CONFIGS, compose_cfg, options, write_wikitext_release
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from posbench.attention import AttentionCall
-from posbench.runner import build
+from posbench.build import build
 from tests.helpers import (assert_chunks_equal_one_pass, assert_query_blocks_give_one_pass_gradients,
                           assert_recurrence_equals_one_pass, compose_cfg, drawn_model, make_encoding,
                           token_ids)

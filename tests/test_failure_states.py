@@ -9,7 +9,7 @@ import tempfile
 import matplotlib.figure
 import pytest
 
-from posbench import rundir, runner
+from posbench import rundir, runner, training
 from posbench.rundir import LOCK_FILE, describe, read_status
 from tests.helpers import compose_cfg, posbench, read_rows
 
@@ -37,9 +37,14 @@ class FullDisk:
         return tempfile.mkstemp(*args, **kwargs)
 
 
+# where the run looks each one up: training.train calls train_step, runner.run_built calls evaluate
+LOOKED_UP_IN = {"train_step": training, "evaluate": runner}
+
+
 def fill_disk_at(monkeypatch, name: str, call: int) -> FullDisk:
-    """The disk fills at the call-th call of runner.<name> (train_step or evaluate)."""
-    disk, original, calls = FullDisk(), getattr(runner, name), []
+    """The disk fills at the call-th call of <name> (train_step or evaluate)."""
+    module = LOOKED_UP_IN[name]
+    disk, original, calls = FullDisk(), getattr(module, name), []
     monkeypatch.setattr(rundir, "tempfile", disk)
 
     def filling(*args, **kwargs):
@@ -47,7 +52,7 @@ def fill_disk_at(monkeypatch, name: str, call: int) -> FullDisk:
         disk.full = disk.full or len(calls) == call
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(runner, name, filling)
+    monkeypatch.setattr(module, name, filling)
     return disk
 
 
@@ -137,15 +142,15 @@ def test_a_refused_command_leaves_the_runs_files_byte_for_byte(tmp_path):
 
 
 def test_a_resume_refused_by_its_settings_leaves_the_runs_files_byte_for_byte(tmp_path, monkeypatch):
-    original = runner.train_step
+    original = training.train_step
 
     def failing(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(runner, "train_step", failing)
+    monkeypatch.setattr(training, "train_step", failing)
     with pytest.raises(RuntimeError):
         runner.run(tiny(), tmp_path)
-    monkeypatch.setattr(runner, "train_step", original)
+    monkeypatch.setattr(training, "train_step", original)
     before = snapshot(tmp_path)
     with pytest.raises(ValueError, match="threads=0"):  # the same run (threads cannot change a result)
         runner.run(tiny("threads=0"), tmp_path)

@@ -24,8 +24,11 @@ MEASURED = ("status", "eval_length", "exact_match", "token_acc", "loss", "train_
 KILLER = """
 import os, signal, sys
 import posbench.runner as runner
+import posbench.training as training
 phase, at, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-target = runner.train_step if phase == "train" else runner.evaluate
+# patched where the run looks it up: training.train calls train_step, runner.run_built calls evaluate
+module, attribute = (training, "train_step") if phase == "train" else (runner, "evaluate")
+target = getattr(module, attribute)
 calls = 0
 def killing(*args, **kwargs):
     global calls
@@ -33,7 +36,7 @@ def killing(*args, **kwargs):
     if calls == at:  # the at-th training step (or evaluated length) of this process
         os.kill(os.getpid(), getattr(signal, name))
     return target(*args, **kwargs)
-setattr(runner, "train_step" if phase == "train" else "evaluate", killing)
+setattr(module, attribute, killing)
 sys.argv = ["posbench", *sys.argv[4:]]
 import runpy
 runpy.run_module("posbench", run_name="__main__", alter_sys=True)

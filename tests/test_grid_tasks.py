@@ -10,7 +10,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
 from posbench.positions import GridPositions, PositionScheme, position_scheme
-from posbench.runner import build
+from posbench.build import build
 from tasks import REGISTRY
 from tasks.grid import GridTask
 from tests.helpers import compose_cfg, posbench, read_rows

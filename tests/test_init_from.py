@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from posbench.runner import build, run
+from posbench.build import build
+from posbench.runner import run
 from tests.helpers import compose_cfg
 
 SMOKE = ("debug=smoke", "encoding=rope", "task=copy", "threads=1")

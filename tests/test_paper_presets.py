@@ -11,7 +11,8 @@ import pytest
 import torch
 import yaml
 
-from posbench.runner import build, run
+from posbench.build import build
+from posbench.runner import run
 from tests.helpers import CONFIGS, compose_cfg
 
 ROOT = Path(__file__).resolve().parent.parent

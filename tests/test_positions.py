@@ -54,7 +54,7 @@ def test_too_small_range_is_refused():
 
 
 def test_runner_checks_the_range_before_training():
-    from posbench.runner import build
+    from posbench.build import build
 
     with pytest.raises(ValueError, match="train.max_position"):
         build(compose_cfg("train.positions=randomized", "train.max_position=100"), torch.device("cpu"))

@@ -6,7 +6,8 @@ import pytest
 import torch
 import yaml
 
-from posbench import runner
+from posbench import runner, training
+from posbench.build import build
 from posbench.rundir import read_status
 from posbench.runinfo import NOT_RESULT_KEYS, RUN_KEYS, config_hash, group_config
 from tests.helpers import compose_cfg, read_rows
@@ -65,7 +66,7 @@ def test_the_group_leaves_out_only_what_cannot_change_a_result():
 def test_rows_carry_the_run_record(tmp_path):
     rows = runner.run(tiny(), tmp_path / "run")
     assert list(rows[0])[:len(RUN_KEYS)] == list(RUN_KEYS)
-    assert rows[0]["n_params"] == sum(p.numel() for p in runner.build(tiny(), torch.device("cpu")).model.parameters())
+    assert rows[0]["n_params"] == sum(p.numel() for p in build(tiny(), torch.device("cpu")).model.parameters())
     assert rows[0]["config"]["train"]["steps"] == 12 and "seed" not in rows[0]["config"]
     assert rows[0]["config_hash"] == config_hash(rows[0]["config"])
 
@@ -95,7 +96,7 @@ def test_resume_settings(tmp_path):
 def test_an_exception_in_training_writes_failed_rows_and_status(tmp_path, monkeypatch):
     from posbench.report import write_report
 
-    original, calls = runner.train_step, []
+    original, calls = training.train_step, []
 
     def failing(*args, **kwargs):
         calls.append(1)
@@ -103,7 +104,7 @@ def test_an_exception_in_training_writes_failed_rows_and_status(tmp_path, monkey
             raise RuntimeError("CUDA out of memory (injected)")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "train_step", failing)
+    monkeypatch.setattr(training, "train_step", failing)
     run_dir = tmp_path / "sweep" / "run"
     with pytest.raises(RuntimeError, match="injected"):
         runner.run(tiny(), run_dir)
@@ -112,7 +113,7 @@ def test_an_exception_in_training_writes_failed_rows_and_status(tmp_path, monkey
     assert all(r["status"] == "failed: RuntimeError: CUDA out of memory (injected)" and r["loss"] is None for r in rows)
     status = read_status(run_dir)
     assert status["state"] == "failed" and "injected" in status["error"]
-    monkeypatch.setattr(runner, "train_step", original)
+    monkeypatch.setattr(training, "train_step", original)
     runner.run(tiny("seed=1"), tmp_path / "sweep" / "other")
     text = (write_report([str(tmp_path / "sweep")], tmp_path / "report") / "report.md").read_text()
     assert "failed: RuntimeError: CUDA out of memory (injected)" in text.split("## Runs that did not finish")[1]

@@ -272,7 +272,7 @@ def test_ntk_refuses_head_size_two_before_training(scaling):
 
 def test_scaling_is_set_from_the_command_line():
     """`encoding=rope encoding.scaling=yarn` composes and builds a yarn RoPE."""
-    from posbench.runner import build
+    from posbench.build import build
     from tests.helpers import compose_cfg
 
     built = build(compose_cfg("encoding=rope", "encoding.scaling=yarn", "encoding.scaling_factor=4"),

@@ -330,7 +330,7 @@ def test_longrope_refuses_a_single_training_position_before_training():
 
 
 def test_settings_from_the_command_line_and_in_a_composite():
-    from posbench.runner import build
+    from posbench.build import build
 
     built = build(compose_cfg("encoding=rope", "encoding.frequency_fraction=0.5", "encoding.frequency_cut=hope",
                               "encoding.scaling=longrope", "encoding.long_factors=[1,1,2,2,4,4,8,8]"),

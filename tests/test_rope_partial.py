@@ -148,7 +148,7 @@ def test_ntk_refuses_two_rotated_features_before_training(scaling):
 
 
 def test_rotary_fraction_is_set_from_the_command_line_and_in_a_composite():
-    from posbench.runner import build
+    from posbench.build import build
     from tests.helpers import compose_cfg
 
     built = build(compose_cfg("encoding=rope", "encoding.rotary_fraction=0.25"), torch.device("cpu"))

@@ -20,10 +20,10 @@ from tests.test_fault_injection import OVERRIDES, tiny_run
 PAUSED = """
 import sys, time
 from pathlib import Path
-import posbench.runner as runner
+import posbench.training as training
 ready = Path(sys.argv[1])
 go = ready.with_suffix(".go")
-step = runner.train_step
+step = training.train_step
 def paused(*args, **kwargs):
     if not ready.exists():
         ready.touch()
@@ -31,7 +31,7 @@ def paused(*args, **kwargs):
         while not go.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
     return step(*args, **kwargs)
-runner.train_step = paused
+training.train_step = paused  # where training.train looks it up
 sys.argv = ["posbench", *sys.argv[2:]]
 import runpy
 runpy.run_module("posbench", run_name="__main__", alter_sys=True)

@@ -201,7 +201,7 @@ def test_fire_piecewise_linear_mlp_is_the_mlp():
 
 @pytest.mark.parametrize("setting", [0, -3, "big", 2.5, True])
 def test_bad_eval_chunk_is_refused(setting):
-    from posbench.runner import eval_chunk
+    from posbench.validate import eval_chunk
 
     with pytest.raises(ValueError, match=r"eval.chunk=.*use auto, a number of queries >= 1, or null"):
         eval_chunk(setting)

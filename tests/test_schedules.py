@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from posbench.attention import Attention, AttentionCall, PositionContext, get_backend, sdpa
+from posbench.build import build
 from posbench.model import ModelConfig, Transformer
-from posbench.runner import build
 from tests.helpers import compose_cfg, make_encoding
 
 D_MODEL, HEADS, HEAD = 16, 2, 8

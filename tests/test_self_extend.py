@@ -221,7 +221,7 @@ def test_runs_on_the_eager_backend_only():
 
 
 def test_builds_from_the_command_line():
-    from posbench.runner import build
+    from posbench.build import build
 
     built = build(compose_cfg("encoding=self_extend", "encoding.group_size=4", "encoding.window=3"),
                   torch.device("cpu"))

@@ -12,8 +12,9 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from posbench.build import build
 from posbench.runinfo import config_hash, group_config
-from posbench.runner import build, make_optimizer, train_step
+from posbench.training import make_optimizer, train_step
 from tasks import REGISTRY
 from tasks.base import Batch, batch_metrics
 from tests.helpers import compose_cfg, posbench, read_rows

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from posbench import runner
-from posbench.runner import build, run
+from posbench.build import build
+from posbench.runner import run
 from tasks.text_data import DataUnavailableError
 from tests.helpers import compose_cfg, write_wikitext_release
 
@@ -162,7 +163,7 @@ def test_wikitext_shorter_than_a_window_fails_before_training(override, message,
 def test_building_draws_no_numbers_from_the_run(tmp_path):
     """check_built's draws use their own generators: the run's results do not depend on it."""
     cfg = compose_cfg(*TINY, "train.steps=3", "eval.samples=4")
-    with mock.patch.object(runner, "check_built"):
+    with mock.patch("posbench.build.check_built"):  # where build() looks it up
         skipped = run(cfg, tmp_path / "skipped")
     checked = run(cfg, tmp_path / "checked")
     assert [r["loss"] for r in checked] == [r["loss"] for r in skipped]

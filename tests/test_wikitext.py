@@ -305,7 +305,7 @@ def test_run_writes_perplexity_rows_and_the_position_figure(tmp_path):
 
 def test_recurrence_with_an_absolute_encoding_fails_before_training(tmp_path):
     from tests.helpers import compose_cfg
-    from posbench.runner import build
+    from posbench.build import build
 
     data = write_release(tmp_path / "data")
     cfg = compose_cfg("task=wikitext", "encoding=learned", f"task.data_dir={data}", "task.memory=8",

@@ -1,0 +1,154 @@
+"""Building a run from its config: the device, the evaluation lengths, the task, encoding and model
+(validated before any training step), the weights of train.init_from, and the precision the forward
+runs in. What posbench.training trains, posbench.evaluation evaluates and the scripts benchmark."""
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from posbench.attention import get_backend
+from posbench.encodings.base import Encoding, ModelDims
+from posbench.model import ModelConfig, Transformer
+from posbench.positions import PositionScheme, position_scheme
+from posbench.rundir import CHECKPOINT_FILE, load_checkpoint
+from posbench.runinfo import with_added_settings
+from posbench.validate import check_built, check_choice_value, check_config
+from tasks.base import Task
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if str(name).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={name} but CUDA is not available here; use device=auto or device=cpu")
+    return torch.device(name)
+
+
+def eval_lengths(cfg_eval: DictConfig, train_length: int) -> list[int]:
+    if cfg_eval.lengths:
+        lengths = sorted({int(n) for n in cfg_eval.lengths})
+    else:
+        lengths = sorted({max(1, round(float(r) * train_length)) for r in cfg_eval.ratios})
+    if not lengths or lengths[0] < 1:
+        raise ValueError(f"evaluation lengths must be >= 1, got {lengths}; check eval.lengths / eval.ratios")
+    return lengths
+
+
+def git_commit() -> str:
+    try:
+        root = Path(__file__).resolve().parent.parent
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5)
+        if sha.returncode:
+            return "unknown"
+        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Built:
+    task: Task
+    encoding: Encoding
+    model: Transformer
+    positions: PositionScheme
+    backend: str  # the backend actually used (backend=auto resolved)
+    train_length: int
+    lengths: list[int]
+    init_from: str | None = None  # the checkpoint loaded before training (train.init_from)
+    init_steps: int = 0  # its training steps
+    init_config: dict | None = None  # its resolved config (the run is grouped by it, not by the path)
+    untrained: bool = False  # train.steps=0 without train.init_from: the fresh initialisation is evaluated
+
+
+def build(cfg: DictConfig, device: torch.device) -> Built:
+    """Everything a run needs, validated before any training step."""
+    check_config(cfg)
+    task: Task = instantiate(cfg.task, _partial_=True)()  # a bad task.<param>: its own ValueError, unwrapped
+    train_length = int(cfg.train.length)
+    lengths = eval_lengths(cfg.eval, train_length)
+    positions = position_scheme(task, cfg.train.positions, cfg.train.max_position, [train_length, *lengths])
+    model_cfg = ModelConfig(vocab_size=task.vocab_size, **OmegaConf.to_container(cfg.model))
+    if task.causal != model_cfg.causal:  # a decoder layout read bidirectionally would see its answers
+        raise ValueError(f"task.causal={task.causal} but model.causal={model_cfg.causal}: the task's layout must "
+                         "match the model; set model.causal only (the task follows it by default)")
+    dims = ModelDims(d_model=model_cfg.d_model, n_heads=model_cfg.n_heads, n_layers=model_cfg.n_layers,
+                     **positions.model_extents(task, train_length), causal=model_cfg.causal,
+                     vocab_size=task.vocab_size)
+    torch.manual_seed(cfg.seed)
+    encoding = instantiate(cfg.encoding)(dims=dims)
+    torch.manual_seed(cfg.seed + 1)  # the model's initialisation must not depend on the encoding's table size
+    backend = get_backend(cfg.backend.name, encoding, device)
+    if backend.name == "flex" and device.type == "cpu" and int(cfg.train.steps) > 0:
+        raise ValueError("backend=flex trains on CUDA only; on CPU it evaluates (train.steps=0 with "
+                         "train.init_from); use backend=sdpa or auto for training")
+    model = Transformer(model_cfg, encoding, backend).to(device)
+    if task.memory:  # evaluation with segment recurrence: refuse before training
+        model.check_recurrent()
+    init_from = str(checkpoint_path(cfg.train.init_from)) if cfg.train.get("init_from") else None
+    init_steps, init_config = load_initial_weights(model, init_from, cfg, device) if init_from else (0, None)
+    built = Built(task, encoding, model, positions, backend.name, train_length, lengths, init_from, init_steps,
+                  init_config, untrained=int(cfg.train.steps) == 0 and init_from is None)
+    check_built(built, cfg)
+    return built
+
+
+def checkpoint_path(init_from: str) -> Path:
+    path = Path(str(init_from)).expanduser()
+    if path.is_dir():
+        path = path / CHECKPOINT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"train.init_from={init_from}: no checkpoint there (give a {CHECKPOINT_FILE} "
+                                "or the run directory holding one; runs save it unless train.save_checkpoint=false)")
+    return path
+
+
+def load_initial_weights(model: Transformer, path: str, cfg: DictConfig, device: torch.device) -> tuple[int, dict]:
+    """Loads a checkpoint (train.init_from) into the model; returns the training steps it had and its config.
+
+    The checkpoint must hold the same encoding and architecture. With train.steps=0 the
+    run only evaluates, so it must keep the checkpoint's N: scalings and ratios refer to it."""
+    checkpoint = load_checkpoint(Path(path), device)
+    saved = checkpoint["config"]
+    if not all(isinstance(saved.get(key), dict) for key in ("encoding", "model", "train", "task")):
+        raise ValueError(f"train.init_from={path}: its config lacks the encoding, model, train or task section; "
+                         "it was not written by a posbench run")
+    if saved["encoding"].get("_target_") != cfg.encoding._target_:
+        raise ValueError(f"train.init_from={path} holds a model with encoding {saved['encoding']['_target_']}, "
+                         f"not {cfg.encoding._target_}: choose the encoding it was trained with")
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    differ = [f"model.{key}={model_cfg.get(key)} (checkpoint: {value})"
+              for key, value in with_added_settings(saved)["model"].items() if model_cfg.get(key) != value]
+    if differ:
+        raise ValueError(f"train.init_from={path} was trained with another model: {', '.join(differ)}")
+    if cfg.train.steps == 0 and int(saved["train"]["length"]) != int(cfg.train.length):
+        raise ValueError(f"train.length={cfg.train.length} but {path} was trained at N={saved['train']['length']}; "
+                         "an evaluation-only run (train.steps=0) must keep the checkpoint's N")
+    try:
+        model.load_state_dict(checkpoint["model"])
+    except RuntimeError as err:  # names the missing, unexpected and mis-shaped tensors
+        raise ValueError(f"train.init_from={path} does not fit this model (the task's vocabulary and the "
+                         f"encoding's parameters must match the checkpoint's, task {saved['task']['_target_']}): "
+                         f"{err}") from err
+    return int(checkpoint.get("steps", saved["train"]["steps"])), saved
+
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def autocast(device: torch.device, precision: str):
+    """The context the forward runs in: bf16 autocast, or fp32 as it is."""
+    check_choice_value("train.precision", precision, PRECISIONS)
+    dtype = PRECISIONS[precision]
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)

@@ -1,0 +1,189 @@
+"""Training at N: the learning-rate schedule, the optimizer, one training step, the loop that
+trains to train.steps with checkpoints (its progress, the RNG states) and stops at a signal."""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from posbench.build import Built, autocast, sync
+from posbench.rundir import CHECKPOINT_FILE, Status, StopRequest, StopSignals, save_torch
+from tasks.base import Task
+
+TIMING_WARMUP_STEPS = 10
+
+
+def learning_rate(step: int, cfg_train: DictConfig) -> float:
+    """Linear warm-up, then decay from lr to lr * min_lr_ratio at train.steps: cosine, or linear
+    (train.schedule; HF Trainer's "linear", its "polynomial" at power 1)."""
+    if step < cfg_train.warmup_steps:
+        return cfg_train.lr * (step + 1) / cfg_train.warmup_steps
+    progress = min(1.0, (step - cfg_train.warmup_steps) / max(1, cfg_train.steps - cfg_train.warmup_steps))
+    left = 1 - progress if cfg_train.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return cfg_train.lr * (cfg_train.min_lr_ratio + (1 - cfg_train.min_lr_ratio) * left)
+
+
+def make_optimizer(model: torch.nn.Module, cfg_train: DictConfig) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on biases, norms and the encoding's own parameters."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("encoding")]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or n.startswith("encoding")]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg_train.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg_train.lr, betas=(0.9, 0.98))
+
+
+def train_step(model, forward, task: Task, batch, positions: torch.Tensor, optimizer, cfg_train: DictConfig,
+               device: torch.device) -> tuple[torch.Tensor, dict]:
+    """One optimisation step (forward, loss, backward, clip, AdamW) -> (loss, the batch's metric sums).
+    `forward` is the model or its compiled form; the runner and the benchmark both step with this."""
+    with autocast(device, cfg_train.precision):
+        logits = forward(batch.inputs, positions)  # [B, T, V]
+    sums = task.batch_sums(logits.float(), batch)
+    loss = sums["loss_sum"] / sums["tokens"]
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg_train.grad_clip)
+    optimizer.step()
+    return loss, sums
+
+
+def compiled(model: torch.nn.Module, enabled: bool):
+    """The model's forward, through torch.compile when asked (dynamic shapes: lengths vary)."""
+    return torch.compile(model, dynamic=True) if enabled else model
+
+
+@dataclass
+class TrainProgress:
+    """Where training stands; saved in every checkpoint so a resumed run continues the same sums."""
+    step: int = 0  # steps completed
+    loss: float = float("nan")  # the last logged loss
+    status: str = "ok"  # ok | diverged
+    seconds: float = 0.0  # wall time in training, over every segment of a resumed run
+    timed_tokens: int = 0  # tokens and seconds after each segment's warm-up steps
+    timed_seconds: float = 0.0
+
+    def tokens_per_s(self) -> float | None:
+        return self.timed_tokens / self.timed_seconds if self.timed_seconds else None
+
+
+def rng_state(generators: dict[str, torch.Generator]) -> dict:
+    state = {"torch": torch.get_rng_state(), **{name: gen.get_state() for name, gen in generators.items()}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict, generators: dict[str, torch.Generator]) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    for name, gen in generators.items():
+        gen.set_state(state[name].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+class Checkpointer:
+    """<run dir>/checkpoint.pt: the model, the resolved config and the steps trained (what
+    train.init_from reads), plus in mid-training the optimizer, every RNG state and the progress."""
+
+    def __init__(self, run_dir: Path, resolved: dict, init_steps: int):
+        self.path = Path(run_dir) / CHECKPOINT_FILE
+        self.resolved, self.init_steps = resolved, init_steps
+
+    def save(self, model, progress: TrainProgress, optimizer=None, generators=None) -> None:
+        state = {"model": model.state_dict(), "config": self.resolved, "steps": self.init_steps + progress.step,
+                 "progress": asdict(progress)}
+        if optimizer is not None:
+            state |= {"optimizer": optimizer.state_dict(), "rng": rng_state(generators)}
+        save_torch(state, self.path)
+
+
+def bar_interval() -> float:
+    """Seconds between progress-bar updates: every second on a terminal, every half minute into a
+    log file (a sweep's jobs, a batch scheduler), which would otherwise grow a line a second."""
+    return 1.0 if sys.stderr.isatty() else 30.0
+
+
+def train(built: Built, cfg: DictConfig, device: torch.device, logger, checkpointer: Checkpointer,
+          stop: StopSignals, status: Status, resume: dict | None = None) -> TrainProgress:
+    """Trains to train.steps (from `resume`, a mid-training checkpoint, when given), saving a
+    checkpoint every train.checkpoint_every steps and when a stop signal comes."""
+    model, task, cfg_train = built.model, built.task, cfg.train
+    model.train()
+    optimizer = make_optimizer(model, cfg_train)
+    forward = compiled(model, cfg_train.compile)
+    generators = {"data": torch.Generator(device).manual_seed(cfg.seed),
+                  "length": torch.Generator().manual_seed(cfg.seed)}
+    progress = TrainProgress()
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        optimizer.load_state_dict(resume["optimizer"])
+        set_rng_state(resume["rng"], generators)
+        progress = TrainProgress(**resume["progress"])
+    checkpoint_every = int(cfg_train.get("checkpoint_every") or 0)
+    segment_start = time.perf_counter()
+    timer_step, timer_start = progress.step + TIMING_WARMUP_STEPS, None  # each segment warms up again
+
+    def stop_timer() -> bool:
+        nonlocal timer_start
+        running = timer_start is not None
+        if running:
+            sync(device)
+            progress.timed_seconds += time.perf_counter() - timer_start
+            timer_start = None
+        return running
+
+    def save_here() -> None:
+        nonlocal timer_start
+        running = stop_timer()  # saving is not training time
+        elapsed = time.perf_counter() - segment_start
+        checkpointer.save(model, replace(progress, seconds=progress.seconds + elapsed), optimizer, generators)
+        status.update(phase="train", step=progress.step, checkpoint_step=progress.step)
+        if running:
+            timer_start = time.perf_counter()
+
+    bar = tqdm(range(progress.step, cfg_train.steps), initial=progress.step, total=cfg_train.steps,
+               desc=f"train {built.encoding.name}/{task.name} N={built.train_length}", dynamic_ncols=True,
+               mininterval=bar_interval())
+    try:
+        for step in bar:
+            stop.check()
+            if step == timer_step:
+                sync(device)
+                timer_start = time.perf_counter()
+            length = built.train_length
+            if cfg_train.lengths == "uniform":
+                length = int(torch.randint(1, built.train_length + 1, (1,), generator=generators["length"]))
+            batch = task.train_sample(cfg_train.batch_size, length, built.train_length, generators["data"])
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step, cfg_train)
+            positions = built.positions.for_batch(batch, generators["data"])  # [1, T] or [1, T, 2]
+            loss, sums = train_step(model, forward, task, batch, positions, optimizer, cfg_train, device)
+            if timer_start is not None:
+                progress.timed_tokens += batch.inputs.numel()
+            progress.step = step + 1
+            if step % cfg_train.log_every == 0 or step == cfg_train.steps - 1:
+                progress.loss = loss.item()
+                if not math.isfinite(progress.loss):
+                    progress.status = "diverged"
+                    print(f"\ntraining diverged at step {step} (loss {progress.loss}); stopping and recording it")
+                    break
+                token_acc = (sums["correct"] / sums["tokens"]).item()
+                bar.set_postfix(loss=f"{progress.loss:.3f}", acc=f"{token_acc:.3f}", n=length, refresh=False)
+                logger.log_train(step, {"loss": progress.loss, "token_acc": token_acc, "length": length,
+                                        "lr": optimizer.param_groups[0]["lr"]})
+                status.update(phase="train", step=progress.step)
+            if checkpoint_every and progress.step % checkpoint_every == 0 and progress.step < cfg_train.steps:
+                save_here()
+    except StopRequest:
+        save_here()
+        raise
+    finally:
+        bar.close()
+    stop_timer()
+    progress.seconds += time.perf_counter() - segment_start
+    return progress
