@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Rebuild the README's reference results: the six core encodings on copy and sort with
-# the default config (one seed), two single-thread jobs at a time, then the report.
+# Rebuild the reference results of docs/studies.md (then python scripts/docs_tables.py):
+# the six core encodings on copy and sort with the default config (one seed), two
+# single-thread jobs at a time, then the report.
 #   bash scripts/reference_copy.sh [extra overrides]
 set -euo pipefail
 cd "$(dirname "$0")/.."

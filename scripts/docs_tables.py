@@ -1,0 +1,411 @@
+"""The tables of README.md and docs/*.md that quote committed results, rebuilt from the rows.
+
+    python scripts/docs_tables.py           # rewrite every generated table in place
+    python scripts/docs_tables.py --check   # exit 1, naming each table, when a page differs from the rows
+
+A generated table sits between two markers in the Markdown source:
+
+    <!-- table:NAME -->
+    ...
+    <!-- /table:NAME -->
+
+and NAME is a function of TABLES below. Each reads the committed rows under results/reference/
+through the report's own code (posbench.results.collect, posbench.report's groups, run table,
+summary and headline, posbench.headline's `learned` bar), so a figure quoted in the docs is the
+number `python -m posbench.report` gives for the same directories. Prose numbers are not
+generated: they are checked by hand against these tables. tests/test_docs.py runs --check.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from functools import cache
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a file from a checkout that is not installed
+    sys.path.insert(0, str(ROOT))
+
+from posbench import report  # noqa: E402
+from posbench.headline import DEFAULT_THRESHOLD, lower_is_better, spread  # noqa: E402
+from posbench.results import collect  # noqa: E402
+
+REFERENCE = ROOT / "results" / "reference"
+MARKER = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
+CORE = ("nope", "sinusoidal", "learned", "rope", "alibi", "t5")
+
+
+class Study(NamedTuple):
+    frame: object  # every row with its group (report.add_groups)
+    runs: object  # one row per run (report.run_table)
+    summary: object  # per group and length: mean, std, min, max over seeds (report.summary_table)
+    headline: object  # per group: headline scores over seeds, learned, rank (report.headline_table)
+
+
+@cache
+def study(*dirs: str, metric: str | None = None) -> Study:
+    """The report's tables for these directories under results/reference/, as
+    `python -m posbench.report DIR... [--metric M]` computes them (nothing is written)."""
+    frame = collect([REFERENCE / d for d in dirs])
+    # the statuses and skipped input ride in frame.attrs, which pandas deep-copies on every slice;
+    # every committed run is finished, and the scores do not read them
+    frame.attrs = {}
+    frame = report.add_groups(frame).sort_values(["task", "label", "seed", "eval_length"]).reset_index(drop=True)
+    metrics = report.task_metrics(frame, metric)
+    runs = report.run_table(frame, metrics, DEFAULT_THRESHOLD)
+    summary = report.summary_table(frame)
+    headline = report.headline_table(frame, runs, summary, DEFAULT_THRESHOLD)
+    return Study(frame, runs, summary, headline)
+
+
+def params(record) -> dict:
+    """A row's settings as flat keys: encoding, task, encoding.<param>, task.<param>, n_params, ..."""
+    flat = {"encoding": record["encoding"], "task": record["task"], "n_params": record["n_params"],
+            "backend": record["backend"], "max_position": record["max_position"]}
+    for column, prefix in (("encoding_params", "encoding."), ("task_params", "task."), ("model", "model.")):
+        value = record[column]
+        flat |= {prefix + k: v for k, v in (json.loads(value) if isinstance(value, str) else value or {}).items()}
+    return flat
+
+
+def group_params(s: Study) -> dict:
+    """group -> the settings of its first row."""
+    return {group: params(part.iloc[0]) for group, part in s.frame.groupby("group", sort=False)}
+
+
+def num(value, digits: int = 3) -> str:
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def table(header: list[str], rows: list[list[str]], align: list[str] | None = None) -> str:
+    align = align or ["---"] + ["---:"] * (len(header) - 1)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def length_cells(s: Study, metric: str, key, digits: int = 3, by: str = "eval_length") -> tuple[list, dict]:
+    """key(settings) -> a row key or None (left out); returns the evaluated lengths (or ratios,
+    by="ratio") and {row key: {length: mean over seeds}} from the report's summary."""
+    settings = group_params(s)
+    cells: dict = {}
+    for _, r in s.summary.iterrows():
+        k = key(settings[r["group"]])
+        if k is not None:
+            cells.setdefault(k, {})[r[by]] = num(r[f"{metric}_mean"], digits)
+    lengths = sorted({n for row in cells.values() for n in row})
+    return lengths, cells
+
+
+def train_seconds(s: Study, key) -> dict:
+    """row key -> training seconds (the mean over its runs), as an integer."""
+    settings = group_params(s)
+    out: dict = {}
+    for _, r in s.runs.iterrows():
+        k = key(settings[r["group"]])
+        if k is not None:
+            out.setdefault(k, []).append(r["train_seconds"])
+    return {k: f"{sum(v) / len(v):.0f}" for k, v in out.items()}
+
+
+def by_length(s: Study, metric: str, key, names: list[str], order, digits: int = 3, length_name=None,
+              extra=None, by: str = "eval_length") -> str:
+    """Rows in `order` (their keys, tuples of the first cells), one column per evaluated length."""
+    lengths, cells = length_cells(s, metric, key, digits, by)
+    length_name = length_name or (lambda n: f"n={n}")
+    extra = extra or {}
+    header = names + [length_name(n) for n in lengths] + list(extra)
+    rows = [[*k, *(cells[k].get(n, "") for n in lengths), *(column.get(k, "") for column in extra.values())]
+            for k in order if k in cells]
+    return table(header, rows, ["---"] * len(names) + ["---:"] * (len(header) - len(names)))
+
+
+def by_encoding(p: dict) -> tuple:
+    return (p["encoding"],)
+
+
+def by_task_encoding(p: dict) -> tuple:
+    return (p["task"], p["encoding"])
+
+
+def headline_by(s: Study, key) -> dict:
+    """row key -> its group's headline record."""
+    settings = group_params(s)
+    return {k: r for _, r in s.headline.iterrows() if (k := key(settings[r["group"]])) is not None}
+
+
+def run_window_mean(s: Study, metric: str, low: float, high: float, key) -> dict:
+    """row key -> spread over seeds of each run's mean of the metric over evaluated lengths in
+    (low, high] (in units of N), as published.csv averages a published range."""
+    settings = group_params(s)
+    per_run: dict = {}
+    for _, part in s.frame.groupby("run_id", sort=False):
+        k = key(settings[part["group"].iloc[0]])
+        n = part["train_length"].iloc[0]
+        inside = part[(part["eval_length"] > low * n) & (part["eval_length"] <= high * n) & (part["status"] == "ok")]
+        if k is not None and len(inside):
+            per_run.setdefault(k, []).append(float(inside[metric].mean()))
+    return {k: spread(v) for k, v in per_run.items()}
+
+
+# ---- the tables ----------------------------------------------------------------------------------
+
+def glance() -> str:
+    """README: the six core encodings' OOD score (mean over seeds) on the reference studies."""
+    columns = [  # (header, study dirs, task, task settings the column takes)
+        ("copy", ("core_copy_sort",), "copy", {}),
+        ("sort", ("core_copy_sort",), "sort", {}),
+        ("cmc, 3 seeds", ("scale_study/xs", "scale_study/small"), "copy", {"task.variant": "cmc", "model.d_model": 64}),
+        ("sort, 3 seeds", ("scale_study/xs", "scale_study/small"), "sort", {"model.d_model": 64}),
+        ("rsc, stop scored, 3 seeds", ("scale_study/small_eos",), "copy", {"task.variant": "rsc"}),
+        ("duplicate (5k steps)", ("kazemnejad_causal",), "duplicate", {}),
+        ("WikiText-2 bytes (perplexity)", ("lm_extrapolation",), "wikitext", {}),
+    ]
+    cells: dict = {}
+    for header, dirs, task, wanted in columns:
+        s = study(*dirs)
+        records = headline_by(s, lambda p, t=task, w=wanted: p["encoding"] if p["task"] == t and all(
+            p.get(k) == v for k, v in w.items()) else None)
+        scored = {e: r for e, r in records.items() if not report.not_learned(r)}
+        lower = any(lower_is_better(r["metric"]) for r in records.values())
+        best = (min if lower else max)(scored, key=lambda e: scored[e]["ood_score_mean"]) if scored else None
+        for encoding, r in records.items():
+            digits = 2 if lower else 3
+            text = num(r["ood_score_mean"], digits)
+            if report.not_learned(r):
+                text = f"not learned ({num(r['id_score_mean'], 2)} at N)"
+            elif encoding == best:
+                text = f"**{text}**"
+            cells[(encoding, header)] = text
+    rows = [[f"`{e}`", *(cells.get((e, h), "–") for h, *_ in columns)] for e in CORE]
+    return table(["encoding", *(h for h, *_ in columns)], rows)
+
+
+def core_copy_sort() -> str:
+    s = study("core_copy_sort")
+    order = [(t, e) for t in ("copy", "sort") for e in sorted(CORE)]
+    return by_length(s, "exact_match", by_task_encoding, ["task", "encoding"], order,
+                     extra={"train s": train_seconds(s, by_task_encoding)})
+
+
+def catalogue_copy() -> str:
+    s, long = study("catalogue_copy"), study("catalogue_copy_20k")
+    key = lambda p: (p["encoding"], p["backend"])  # noqa: E731
+    at_n = {k: num(r["id_score_mean"]) for k, r in headline_by(long, lambda p: (p["encoding"], p["backend"])).items()}
+    order = sorted(k for k in length_cells(s, "exact_match", key)[1])
+    return by_length(s, "exact_match", key, ["encoding", "backend"], order,
+                     extra={"train s": train_seconds(s, key), "n=16, 20k steps": at_n})
+
+
+def randomized_copy() -> str:
+    s = study("randomized_copy")
+    key = lambda p: (p["encoding"], str(p["max_position"]))  # noqa: E731
+    order = [(e, m) for m in ("129", "512") for e in ("rope", "sinusoidal")]
+    return by_length(s, "exact_match", key, ["encoding", "`train.max_position`"], order)
+
+
+def chomsky_encoder() -> str:
+    s = study("chomsky_encoder")
+    order = [(t, e) for t in ("even_pairs", "cycle_navigation", "bucket_sort", "odds_first")
+             for e in ("nope", "rope", "alibi")]
+    return by_length(s, "exact_match", by_task_encoding, ["task", "encoding"], order,
+                     length_name=lambda n: "n=16 (N)" if n == 16 else f"n={n}")
+
+
+def kazemnejad_causal() -> str:
+    s = study("kazemnejad_causal")
+    # the tasks this budget learned; the others are named in the text
+    order = [(t, e) for t in ("duplicate", "parity") for e in ("nope", "rope", "alibi", "t5")]
+    return by_length(s, "exact_match", by_task_encoding, ["task", "encoding"], order, by="ratio",
+                     length_name=lambda r: "N" if r == 1 else f"{r:g}N")
+
+
+def addition_20k() -> str:
+    s = study("addition_20k")
+    head = headline_by(s, by_encoding)
+    _, exact = length_cells(s, "exact_match", by_encoding)
+    _, tokens = length_cells(s, "token_acc", by_encoding)
+    rows = [[e, exact[(e,)][4], num(head[(e,)]["id_score_mean"]), num(head[(e,)]["ood_score_mean"]),
+             tokens[(e,)][8]] for e in ("nope", "rope")]
+    return table(["encoding", "exact match at N/2", "at N", "past N", "token accuracy at N"], rows)
+
+
+def grid_extrapolation() -> str:
+    s = study("grid_extrapolation/seed0", "grid_extrapolation/seeds12", metric="token_acc")
+    tasks = ("life", "grid_flip", "grid_row_count", "grid_nearest")
+    records = headline_by(s, by_task_encoding)
+    best = {t: max((r["ood_score_mean"], e) for (task, e), r in records.items() if task == t)[1] for t in tasks}
+    encodings = ("rope_2d", "rope_mixed", "t5_2d", "alibi_2d", "sinusoidal_2d", "learned_2d", "rope", "alibi", "nope")
+    names = {"rope": "`rope` (raster)", "alibi": "`alibi` (raster)"}
+    rows = []
+    for e in encodings:
+        cells = []
+        for t in tasks:
+            r = records[(t, e)]
+            score = f"{num(r['ood_score_mean'])} ± {num(r['ood_score_std'])}"
+            cells.append(f"{f'**{score}**' if best[t] == e else score} ({num(r['id_score_mean'])})")
+        rows.append([names.get(e, f"`{e}`"), *cells])
+    return table(["encoding", *tasks], rows, ["---"] * (len(tasks) + 1))
+
+
+def scale_size(p: dict) -> str:
+    return {32: "xs", 64: "small", 128: "medium"}[p["model.d_model"]]
+
+
+def scale_task(p: dict) -> str:
+    return p["task.variant"] if p["task"] == "copy" else p["task"]
+
+
+def scale_study() -> str:
+    s = study("scale_study/xs", "scale_study/small")
+    window = run_window_mean(s, "exact_match", 1, 2, lambda p: (scale_task(p), scale_size(p), p["encoding"]))
+    at_n = {k: r["id_score_mean"] for k, r in headline_by(
+        s, lambda p: (scale_task(p), scale_size(p), p["encoding"])).items()}
+    columns = [(t, z) for t in ("cmc", "rsc", "sort") for z in ("xs", "small")]
+    rows = []
+    for e in CORE:
+        cells = []
+        for column in columns:
+            k = (*column, e)
+            w = window[k]
+            best = max(window[(*column, other)]["mean"] for other in CORE)
+            mean = f"**{num(w['mean'])}**" if w["mean"] == best and best < 1 else num(w["mean"])
+            spread_text = (num(w["min"], 2) if f"{w['min']:.2f}" == f"{w['max']:.2f}"
+                           else f"{num(w['min'], 2)}–{num(w['max'], 2)}")
+            cells.append(f"{mean} ({spread_text}) [{num(at_n[k], 2)}]")
+        rows.append([f"`{e}`", *cells])
+    return table(["encoding", *(f"{t} `{z}`" for t, z in columns)], rows, ["---"] * (len(columns) + 1))
+
+
+def scale_study_eos() -> str:
+    s = study("scale_study/small_eos")
+    exact = run_window_mean(s, "exact_match", 1, 2, by_encoding)
+    tokens = run_window_mean(s, "token_acc", 1, 2, by_encoding)
+    rows = [[f"`{e}`", f"{num(exact[(e,)]['mean'])} ({num(exact[(e,)]['min'], 2)}–{num(exact[(e,)]['max'], 2)})",
+             f"{num(tokens[(e,)]['mean'])} ({num(tokens[(e,)]['min'], 2)}–{num(tokens[(e,)]['max'], 2)})"]
+            for e in CORE]
+    return table(["encoding", "exact match (N, 2N], mean (seeds)", "token accuracy (N, 2N]"], rows,
+                 ["---", "---", "---"])
+
+
+def scale_study_medium() -> str:
+    s = study("scale_study/medium")
+    window = run_window_mean(s, "exact_match", 1, 2, lambda p: (scale_task(p), p["encoding"]))
+    at_n = {k: r["id_score_mean"] for k, r in headline_by(s, lambda p: (scale_task(p), p["encoding"])).items()}
+    tasks = ("cmc", "rsc", "sort")
+    rows = [[f"`{e}`", *(f"{num(window[(t, e)]['mean'])} [{num(at_n[(t, e)], 2)}]" if (t, e) in window else "–"
+                         for t in tasks)] for e in CORE]
+    return table(["encoding", *tasks], rows, ["---"] * (len(tasks) + 1))
+
+
+def report_sweep() -> str:
+    s = study("report_sweep")
+    rows = []
+    for _, r in s.headline.iterrows():  # the report's order: task, then rank, not-learned groups last
+        rows.append([r["task"], r["encoding"], report.pm(r, "id_score"), report.pm(r, "ood_score"),
+                     report.pm(r, "extrapolation_ratio", "ratio"), report.rank_text(r)])
+    ranking = report.ranking_table(s.headline)
+    mrr = ", ".join(f"{r['label']} {r['mrr']:.2f}" for _, r in ranking.iterrows())
+    return (table(["task", "encoding", "at N", "past N (OOD)", "L / N", "rank"], rows, ["---"] * 6)
+            + f"\nMean reciprocal rank of the OOD score over the three tasks (0 for a task not learned): {mrr}.\n")
+
+
+def lm_key(p: dict) -> tuple:
+    return (p["encoding"],)
+
+
+def lm_extrapolation() -> str:
+    s = study("lm_extrapolation")
+    order = [(e,) for e in ("alibi", "learned", "rope", "sinusoidal", "t5")]
+    return by_length(s, "perplexity", lm_key, ["encoding"], order, digits=2, length_name=str)
+
+
+def lm_extrapolation_sliding() -> str:
+    s = study("lm_extrapolation")
+    order = [(e,) for e in ("alibi", "learned", "rope", "sinusoidal", "t5")]
+    return by_length(s, "sliding_perplexity", lm_key, ["encoding"], order, digits=2, length_name=str)
+
+
+def lm_memory() -> str:
+    s = study("lm_memory")
+    rows = []
+    for metric, name in (("perplexity", "non-overlapping windows"), ("sliding_perplexity", "sliding windows"),
+                         ("recurrent_perplexity", "segment recurrence, memory 64")):
+        lengths, cells = length_cells(s, metric, by_encoding, 2)
+        rows.append([name, *(cells[("transformer_xl",)][n] for n in lengths)])
+    return table(["protocol", *map(str, lengths)], rows)
+
+
+def scaling_name(p: dict) -> tuple:
+    factor = p.get("encoding.scaling_factor")
+    return (p["encoding.scaling"] + (f", s = {factor:g}" if factor else ""),)
+
+
+def rope_scaling() -> str:
+    s = study("rope_scaling")
+    order = [(n,) for n in ("none", "pi", "pi, s = 8", "ntk", "ntk, s = 8", "dynamic_ntk", "yarn", "yarn, s = 8")]
+    return by_length(s, "perplexity", scaling_name, ["scaling"], order, digits=2,
+                     length_name=lambda n: "64 (N)" if n == 64 else str(n))
+
+
+def rope_finetune() -> str:
+    s = study("rope_finetune")
+    key = lambda p: ("no scaling" if p["encoding.scaling"] == "none" else p["encoding.scaling"],)  # noqa: E731
+    order = [(n,) for n in ("no scaling", "pi", "ntk", "yarn")]
+    return by_length(s, "perplexity", key, ["fine-tuned at 128 with"], order, digits=2,
+                     length_name=lambda n: "128 (new N)" if n == 128 else str(n))
+
+
+TABLES = {f.__name__.replace("_", "-"): f for f in (
+    glance, core_copy_sort, catalogue_copy, randomized_copy, chomsky_encoder, kazemnejad_causal, addition_20k,
+    grid_extrapolation, scale_study, scale_study_eos, scale_study_medium, report_sweep, lm_extrapolation,
+    lm_extrapolation_sliding, lm_memory, rope_scaling, rope_finetune)}
+
+
+def pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def regenerate(text: str, page: Path) -> str:
+    def block(match):
+        name = match["name"]
+        if name not in TABLES:
+            raise SystemExit(f"{page.relative_to(ROOT)}: unknown table {name!r}; known: {sorted(TABLES)}")
+        return match[1] + TABLES[name]() + match[4]
+
+    return MARKER.sub(block, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 when a table differs")
+    args = parser.parse_args(argv)
+    drift, used = [], set()
+    for page in pages():
+        text = page.read_text()
+        used |= {m["name"] for m in MARKER.finditer(text)}
+        new = regenerate(text, page)
+        if new == text:
+            continue
+        changed = [m["name"] for m, n in zip(MARKER.finditer(text), MARKER.finditer(new)) if m["body"] != n["body"]]
+        drift += [f"{page.relative_to(ROOT)}: table {name}" for name in changed]
+        if not args.check:
+            page.write_text(new)
+    unused = sorted(set(TABLES) - used)
+    if unused:
+        print(f"tables no page shows: {unused}", file=sys.stderr)
+    if drift:
+        verb = "differs from the rows" if args.check else "rewritten from the rows"
+        print("\n".join(f"{line} {verb}" for line in drift), file=sys.stderr)
+        if args.check:
+            print("run `python scripts/docs_tables.py` to rewrite them", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""README.md and docs/*.md: every relative link reaches a file (and a heading, with a #fragment),
+the README stays a front door, its two commands are the ones CI runs, and the tables that quote
+committed results equal what scripts/docs_tables.py builds from the rows."""
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^\s*```")
+README_LINES = 150
+INSTALL_AND_RUN = "bash scripts/install.sh && python -m posbench encoding=rope task=copy"
+INSTALL_AND_TEST = "bash scripts/install.sh dev && python -m pytest"
+
+
+def prose_lines(text: str):
+    """The lines outside fenced code blocks, with inline code spans removed."""
+    fenced = False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            yield re.sub(r"`[^`]*`", "", line)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lowercase, punctuation but - and _ dropped, spaces to -."""
+    text = heading.strip().lower().replace("`", "")
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    found, seen = set(), {}
+    fenced = False
+    for line in page.read_text().splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#{1,6} (.+)", line)):
+            base = slug(m[1])
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            found.add(base if n == 0 else f"{base}-{n}")
+    return found
+
+
+def links(page: Path) -> list[str]:
+    return [target for line in prose_lines(page.read_text()) for target in LINK.findall(line)]
+
+
+def test_pages_exist():
+    names = {p.name for p in PAGES}
+    for page in ("encodings", "tasks", "configuration", "running", "results", "wandb", "performance", "studies",
+                 "adding-an-encoding", "testing"):
+        assert f"{page}.md" in names
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page):
+    broken = []
+    for target in links(page):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+            continue
+        path, _, fragment = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(f"{target}: no file {file}")
+        elif fragment and file.suffix == ".md" and fragment not in anchors(file):
+            broken.append(f"{target}: no heading #{fragment} in {file.relative_to(ROOT)}")
+    assert not broken, f"{page.relative_to(ROOT)}:\n" + "\n".join(broken)
+
+
+def test_slug_matches_github():
+    assert slug("Model sizes: `scale_study`, sizes `xs` and `small` (3 seeds)") == \
+        "model-sizes-scale_study-sizes-xs-and-small-3-seeds"
+    assert slug("Logging to Weights & Biases") == "logging-to-weights--biases"
+
+
+def test_readme_is_a_front_door():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) < README_LINES
+    assert INSTALL_AND_RUN in text and INSTALL_AND_TEST in text  # verbatim, in that order
+    assert text.index(INSTALL_AND_RUN) < text.index(INSTALL_AND_TEST)
+    assert INSTALL_AND_TEST in (ROOT / ".ci" / "run").read_text()  # CI runs the README's test command
+    for page in PAGES[1:]:  # every docs page is linked from the README
+        assert f"(docs/{page.name})" in text, page.name
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("docs_tables", ROOT / "scripts" / "docs_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tables_match_the_committed_rows(capsys):
+    """Each generated table equals what the rows under results/reference/ give; after a new
+    reference run, `python scripts/docs_tables.py` rewrites them."""
+    script = load_script()
+    assert script.main(["--check"]) == 0, capsys.readouterr().err
+
+
+def test_drift_is_caught(tmp_path, monkeypatch):
+    script = load_script()
+    page = tmp_path / "page.md"
+    page.write_text("<!-- table:lm-memory -->\n| protocol | 32 |\n|---|---:|\n| stale | 1.00 |\n"
+                    "<!-- /table:lm-memory -->\n")
+    monkeypatch.setattr(script, "pages", lambda: [page])
+    monkeypatch.setattr(script, "ROOT", tmp_path)
+    assert script.main(["--check"]) == 1
+    assert "stale" in page.read_text()  # --check changes nothing
+    assert script.main([]) == 0
+    assert "segment recurrence, memory 64" in page.read_text() and "stale" not in page.read_text()
+    assert script.main(["--check"]) == 0
