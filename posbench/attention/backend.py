@@ -29,6 +29,11 @@ class Backend:
         """A causal block's -inf goes into its bias (True), or the backend masks the block itself."""
         return False
 
+    def decay_room(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """q, k, v made ready once for a layer's blocks under a decay (AttentionCall.decay_room), or None
+        where the backend takes the decay as it is."""
+        return None
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         """q: [B, H, Lq, d], k, v: [B, H, Lk, d] -> [B, H, Lq, d]."""
         raise NotImplementedError

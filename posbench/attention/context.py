@@ -36,6 +36,7 @@ class AttentionCall:
     first_key: int = 0  # the index of the call's first key in the layer's keys (a window's chunk starts past 0)
     q_levels: torch.Tensor | None = None  # decay levels c at the queries [B|1, H, Lq]: bias c_i - c_j
     k_levels: torch.Tensor | None = None  # decay levels c at the keys [B|1, H, Lk]
+    decay_room: bool = False  # q, k, v carry one more column, the backend's (Backend.decay_room), for the decay
 
     def __post_init__(self):
         if self.q_start < 0:

@@ -80,6 +80,10 @@ class Attention(nn.Module):
             call.bias = positions.bias(self.layer) if self.backend.takes_bias else None
             y = self.backend.attend(q, k, v, call)  # [B, H, L, d]
         else:
+            room = self.backend.decay_room(q, k, v) if call.k_levels is not None and not torch.is_grad_enabled() \
+                else None
+            if room is not None:  # each block writes its part of it in place: no gradient may pass
+                (q, k, v), call.decay_room = room, True
             y = torch.cat([self.attend_block(q, k, v, call, positions, start, min(length, start + block))
                            for start in range(0, length, block)], dim=2)  # [B, H, L, d]
         return self.out(y.transpose(1, 2).reshape(b, length, d_model))  # [B, L, D]

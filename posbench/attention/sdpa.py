@@ -4,6 +4,7 @@
 - A decay (c_i - c_j, rank one in causal layout): one more column on q (ones), k ((c_ref - c_j) / scale)
   and v (zeros, dropped from the output), so it rides the same mask-free kernel; c_ref, the level of
   the call's first query, keeps the column small, and softmax ignores the per-query constant it adds.
+  A layer evaluated in blocks makes the room once (`decay_room`) and each block writes its keys' column.
 - A sliding window: its band as -inf in the mask (with the bias, if any).
 - A bias on CPU: the fused flash kernel with the causal flag and the bias as its mask (posbench.attention
   .fused_cpu); elsewhere a 4-D float mask (a 3-D one would leave the fused kernels).
@@ -29,6 +30,11 @@ def with_decay_column(q, k, v, call: AttentionCall, scale: float):
     return q, k, v
 
 
+def write_decay_column(k, call: AttentionCall, scale: float) -> None:
+    """Into the last column of k [B, H, Lk, d + 1] (a block's keys in a layer's decay_room): (c_ref - c_j) / scale."""
+    k[..., -1] = ((call.q_levels[..., :1] - call.k_levels) / scale).to(k.dtype)  # [B|1, H, Lk] broadcast
+
+
 class SdpaBackend(Backend):
     name = "sdpa"
     supported_hooks = backend_hooks(name)
@@ -36,10 +42,19 @@ class SdpaBackend(Backend):
     def bakes_mask(self, q):
         return not fused_cpu_ok(q)  # the fused CPU kernel masks with its causal flag
 
+    def decay_room(self, q, k, v):
+        """q, k, v [B, H, L, d] -> [B, H, L, d + 1] once per layer: q's column ones, v's zeros, k's written
+        by each block (its levels' reference is the block's first query), so blocks copy no keys."""
+        zeros = torch.zeros_like(q[..., :1])
+        return (torch.cat([q, torch.ones_like(q[..., :1])], dim=-1), torch.cat([k, zeros], dim=-1),
+                torch.cat([v, zeros], dim=-1))  # [B, H, L, d + 1] each
+
     def attend(self, q, k, v, call):
-        head = q.shape[-1]
+        head = q.shape[-1] - call.decay_room
         scale = call.encoding.logit_scale(head)
-        if call.k_levels is not None:
+        if call.decay_room:
+            write_decay_column(k, call, scale)
+        elif call.k_levels is not None:
             q, k, v = with_decay_column(q, k, v, call, scale)
         bias, causal = call_bias(call), call.causal and not call.mask_in_bias
         if call.window is not None:  # the band as -inf in a 4-D mask
