@@ -47,6 +47,14 @@ class Integer:
     most: int = INT64_MAX
     null: str | None = None
     plural = "integers"
+    type = int
+
+    def bounds(self) -> str:
+        return bounds_text(least=self.least, most=None if self.most == INT64_MAX else self.most)
+
+    def text(self) -> str:
+        """What is valid, for --help: 'an integer >= 1, or null (never)'."""
+        return f"an integer {self.bounds()}" + (f", or null ({self.null})" if self.null else "")
 
     def __call__(self, key: str, value, owner: str | None = None) -> int | None:
         if value is None and self.null:
@@ -72,6 +80,13 @@ class Real:
     below: float | None = None
     null: str | None = None
     plural = "numbers"
+    type = float
+
+    def bounds(self) -> str:
+        return bounds_text(self.least, self.most, self.above, self.below)
+
+    def text(self) -> str:
+        return f"a number {self.bounds()}".rstrip() + (f", or null ({self.null})" if self.null else "")
 
     def __call__(self, key: str, value, owner: str | None = None) -> float | None:
         if value is None and self.null:
@@ -91,6 +106,10 @@ class Flag:
     """true or false (a string such as 'no' would read as True in Python); None allowed when `null` says what."""
 
     null: str | None = None
+    type = bool
+
+    def text(self) -> str:
+        return "true or false" + (f", or null ({self.null})" if self.null else "")
 
     def __call__(self, key: str, value, owner: str | None = None) -> bool | None:
         if value is None and self.null:
@@ -102,29 +121,69 @@ class Flag:
 
 @dataclass(frozen=True)
 class Choice:
+    """One of `options`; None allowed when `null` says what it means."""
+
     options: tuple
+    null: str | None = None
+    type = str
+
+    def text(self) -> str:
+        return " | ".join(map(str, self.options)) + (f", or null ({self.null})" if self.null else "")
 
     def __call__(self, key: str, value, owner: str | None = None):
-        if value not in self.options:
+        if value is None and self.null:
+            return None
+        if isinstance(value, bool) or value not in self.options:  # True == 1: never an option by accident
             prefix = f"{owner}: " if owner else ""
-            raise ValueError(f"{prefix}{key}={value!r} is not valid; choose one of {list(self.options)}")
+            or_null = f", or null ({self.null})" if self.null else ""
+            raise ValueError(f"{prefix}{key}={value!r} is not valid; choose one of {list(self.options)}{or_null}")
         return value
+
+
+@dataclass(frozen=True)
+class Text:
+    """A string (a name, a path); None allowed when `null` says what it means. A number Hydra parsed from
+    the command line (run_name=2024) is taken as its text."""
+
+    null: str | None = None
+    plural = "strings"
+    type = str
+
+    def text(self) -> str:
+        return "a string" + (f", or null ({self.null})" if self.null else "")
+
+    def __call__(self, key: str, value, owner: str | None = None) -> str | None:
+        if value is None and self.null:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            refuse(key, value, self.text(), owner)
+        return str(value)
 
 
 @dataclass(frozen=True)
 class Items:
     """A non-empty list whose every item passes `item`; None allowed when `null` says what it means."""
 
-    item: Integer | Real
+    item: Integer | Real | Text
     null: str | None = None
+    empty: bool = False  # an empty list is valid too (logger.tags)
+    type = list
+
+    def text(self) -> str:
+        bounds = self.item.bounds() if hasattr(self.item, "bounds") else ""
+        return f"a {'' if self.empty else 'non-empty '}list of {self.item.plural} {bounds}".rstrip() \
+            + (f", or null ({self.null})" if self.null else "")
+
+    def example(self) -> str:
+        return "[a,b]" if isinstance(self.item, Text) else "[1,2]"
 
     def __call__(self, key: str, value, owner: str | None = None) -> list | None:
         if value is None and self.null:
             return None
-        valid = f"a non-empty list of {self.item.plural}"
+        valid = f"a {'' if self.empty else 'non-empty '}list of {self.item.plural}"
         or_null = f", or null ({self.null})" if self.null else ""
-        if not isinstance(value, (list, tuple, ListConfig)) or not value:
-            refuse(key, value, valid + or_null, owner)
+        if not isinstance(value, (list, tuple, ListConfig)) or not (value or self.empty):
+            refuse(key, value, valid + (f", e.g. {self.example()}" if self.empty else "") + or_null, owner)
         try:
             return [self.item(f"{key}[{i}]", item) for i, item in enumerate(value)]
         except ValueError as err:  # name the whole list as the user gave it, then the item

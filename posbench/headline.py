@@ -26,13 +26,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from posbench.metrics import HEADLINE_METRICS, HIGHER_IS_BETTER, LOWER_IS_BETTER, PRIMARY_METRICS  # noqa: F401
+
 DEFAULT_THRESHOLD = 0.9
 RELATIVE_TOLERANCE = 0.10  # lower-is-better metrics: within 10% of the value at N
-LOWER_IS_BETTER = ("loss", "perplexity", "bits_per_byte", "sliding_loss", "sliding_perplexity",
-                   "sliding_bits_per_byte", "recurrent_loss", "recurrent_perplexity", "recurrent_bits_per_byte")
-HIGHER_IS_BETTER = ("exact_match", "token_acc", "sliding_token_acc", "recurrent_token_acc")
-HEADLINE_METRICS = (*HIGHER_IS_BETTER, *LOWER_IS_BETTER)
-PRIMARY_METRICS = ("exact_match", "perplexity", "token_acc", "loss")  # a task's headline: the first it measures
+# The metrics and their directions are declared once, in posbench.metrics; a task's headline is the
+# first of PRIMARY_METRICS it measures.
 # An accuracy at N (exact match, token accuracy) below this means the task was not learned: the
 # score past N then measures under-fitting, not extrapolation, and the report does not rank it.
 # 0.9 is the default extrapolation criterion (DEFAULT_THRESHOLD): a group below it fails the

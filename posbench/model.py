@@ -6,37 +6,23 @@ T5's RMSNorm, ReLU and no biases; Ruoss et al.'s post-LN encoder with scaled emb
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import field, make_dataclass
 
 import torch
-from omegaconf import ListConfig
 from torch import nn
 
+from posbench import settings
 from posbench.attention import Attention, Backend, PositionContext
-from posbench.checks import Integer, Items, shown
 from posbench.encodings.base import Encoding
+from posbench.settings import NORM_POSITIONS, NORMS  # noqa: F401 (the choices, declared with the settings)
 
-ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
-NORMS = ("layernorm", "rmsnorm")
-NORM_POSITIONS = ("pre", "post")
+ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}  # by name: settings.ACTIVATION_NAMES (tests/test_schema.py)
 RMSNORM_EPS = 1e-6  # T5's layer_norm_epsilon
+check_window = settings.Window()  # model.window's rule: check_window(key, value) -> the window
 
 
-@dataclass
-class ModelConfig:
-    vocab_size: int
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    mlp_ratio: int = 4
-    causal: bool = True
-    dropout: float = 0.0
-    activation: str = "gelu"  # of the feed-forward: one of ACTIVATIONS
-    norm: str = "layernorm"  # layernorm | rmsnorm (T5's: no mean subtraction, no bias)
-    bias: bool = True  # false: no biases in the feed-forward and the norms (attention projections have none)
-    norm_position: str = "pre"  # pre: x + f(norm(x)), a final norm; post: norm(x + f(x)), none after (Vaswani et al.)
-    embed_scale: bool = False  # token embeddings times sqrt(d_model) before the encoding's embed hook (Vaswani et al.)
-    window: int | list | None = None  # sliding-window attention: keys with |i - j| < window; a list is a per-layer pattern
+class ModelSettings:
+    """The behaviour of ModelConfig; its fields are the model.* settings (posbench.settings)."""
 
     def __post_init__(self):
         if self.d_model % self.n_heads:
@@ -49,17 +35,20 @@ class ModelConfig:
         return self.window[layer % len(self.window)] if isinstance(self.window, list) else self.window
 
 
-def check_window(key: str, value) -> int | list | None:
-    """model.window: null (every layer global), a window >= 1 for every layer, or a non-empty list of
-    windows and nulls (global layers) repeated over the layers, e.g. [512, 512, 512, null]."""
-    if value is None:
-        return None
-    if isinstance(value, (list, tuple, ListConfig)):
-        return Items(Integer(1, null="a global layer"))(key, list(value))
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{key}={shown(value)}: must be null (every layer global), a window >= 1, or a list of "
-                         "windows and nulls repeated over the layers, e.g. [512,512,512,null]")
-    return value
+def setting_field(s: settings.Setting):
+    default = s.default
+    return field(default_factory=lambda: list(default)) if isinstance(default, list) else field(default=default)
+
+
+# vocab_size (the task's), then every model.* setting with its type and default (model=small's): d_model,
+# n_layers, n_heads, mlp_ratio, causal, dropout, activation (ACTIVATIONS), norm (layernorm | rmsnorm: T5's,
+# no mean subtraction, no bias), bias (false: none in the feed-forward and the norms; attention projections
+# have none), norm_position (pre: x + f(norm(x)) and a final norm; post: norm(x + f(x)), none after, Vaswani
+# et al.), embed_scale (token embeddings times sqrt(d_model) before the encoding's embed hook), window
+# (sliding-window attention: keys with |i - j| < window; a list is a per-layer pattern).
+ModelConfig = make_dataclass(
+    "ModelConfig", [("vocab_size", int), *[(s.name, s.type, setting_field(s)) for s in settings.section("model")]],
+    bases=(ModelSettings,), namespace={"__module__": __name__})
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:

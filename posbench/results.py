@@ -11,18 +11,14 @@ from pathlib import Path
 
 from posbench.headline import HEADLINE_METRICS, LEARNED_AT_N
 from posbench.memory import PER_STRETCH_KINDS
+from posbench.metrics import LABELS, PRIMARY_METRICS, ROW_METRICS
 from posbench.rundir import STATUS_FILE, atomic_write, describe
 from posbench.runinfo import RUN_KEYS
 
 ROW_FILE = "results.jsonl"
-METRICS = ("exact_match", "token_acc", "loss")
-METRIC_LABELS = {"exact_match": "exact-match accuracy", "token_acc": "token accuracy", "loss": "loss",
-                 "perplexity": "perplexity", "bits_per_byte": "bits per byte",
-                 "sliding_perplexity": "perplexity (sliding window)",
-                 "sliding_bits_per_byte": "bits per byte (sliding window)",
-                 "recurrent_perplexity": "perplexity (segment recurrence)",
-                 "recurrent_bits_per_byte": "bits per byte (segment recurrence)"}
-PLOT_METRICS = ("exact_match", "perplexity", "token_acc", "loss")  # a run's curve shows the first two it has
+METRICS = ROW_METRICS  # every row carries these (posbench.metrics declares every metric and its label)
+METRIC_LABELS = LABELS
+PLOT_METRICS = PRIMARY_METRICS  # a run's curve shows the first two it has
 # Every row carries these keys: the run's (posbench.runinfo.RunInfo), then the length's
 # (metrics may be None for a length that was not measured).
 LENGTH_KEYS = ("status", "eval_length", "eval_sequence_length", "ratio", "samples", *METRICS, "eval_tokens_per_s",

@@ -4,7 +4,7 @@ the group the report pools seeds over.
 The group is the whole resolved configuration minus the seed and minus what cannot change
 a result (NOT_RESULT_KEYS: paths, logger, run name, threads, checkpointing); rows carry
 its short hash (`config_hash`), so the report never pools runs that differ in anything else.
-A setting added after results were committed (ADDED_SETTINGS) is left out while it holds the
+A setting added after results were committed (ADDED_SETTINGS, from posbench.settings) is left out while it holds the
 value that reproduces the earlier behaviour, so runs made before it existed keep their hash.
 """
 from __future__ import annotations
@@ -14,19 +14,16 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
 
+from posbench.settings import added_settings
+
 # Dotted keys of the resolved config that cannot change a result.
 NOT_RESULT_KEYS = ("seed", "run_name", "logger", "threads", "task.data_dir", "task.cache_dir", "train.init_from",
                    "train.resume", "train.checkpoint_every", "train.save_checkpoint", "published")
 
 
-# Dotted keys added after results were committed -> the value every earlier run had.
-ADDED_SETTINGS = {"model.activation": "gelu", "model.norm": "layernorm", "model.bias": True,
-                  "model.norm_position": "pre", "model.embed_scale": False, "model.window": None,
-                  "train.schedule": "cosine",
-                  "encoding.rotary_fraction": 1.0,  # rope's (and self_extend's, which came later)
-                  "encoding.frequency_fraction": 1.0, "encoding.frequency_cut": "none",  # rope's (p-RoPE, HoPE)
-                  "encoding.short_factors": None, "encoding.long_factors": None,  # rope's (longrope)
-                  "task.eos": False}  # copy's, reverse's and sort's
+# Dotted keys added after results were committed -> the value every earlier run had: the settings
+# declared with a `before` value and the encoding and task parameters added later (posbench.settings).
+ADDED_SETTINGS = added_settings()
 
 
 def parent_of(config: dict, key: str) -> tuple[dict | None, str]:

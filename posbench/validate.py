@@ -3,27 +3,26 @@
 `check_config` reads the resolved config alone (types and ranges, each error naming the
 key and the valid values); `check_built` runs once the task, encoding and model exist
 (the evaluation data at the longest length is built here, so nothing fails only after
-training). Encoding and task parameters are checked by their own constructors.
+training). The settings and their rules are declared once, in posbench.settings; encoding and
+task parameters are checked by their own constructors.
 """
 from __future__ import annotations
 
 import inspect
-import os
-from dataclasses import fields
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from posbench import published
-from posbench.checks import Choice, Flag, Integer, Items, Real, refuse, shown
-from posbench.model import ACTIVATIONS, NORM_POSITIONS, NORMS, ModelConfig, check_window
-from posbench.positions import SCHEMES
+from posbench import settings
+from posbench.checks import Choice, shown
+from posbench.settings import DEVICE_FORMS, PRECISION_NAMES, SCHEDULES, TRAIN_LENGTH_MODES  # noqa: F401 (re-exported)
+from posbench.settings import PARAMETER_SECTIONS, SECTIONS, SETTINGS
 
-TRAIN_LENGTH_MODES = ("uniform", "fixed")
-SCHEDULES = ("cosine", "linear")  # the decay after warm-up (posbench.runner.learning_rate)
-PRECISION_NAMES = ("fp32", "bf16")
-DEVICE_FORMS = ("auto", "cpu", "cuda", "cuda:<index>")
 ABSENT = object()
+# Every setting with its rule, derived from posbench.settings (the one declaration): dotted key -> rule(key, value).
+# A key the config lacks (one being added elsewhere, logger.project with logger=none) is skipped. Warm-up may
+# exceed train.steps: the rate then only ramps up, which a short smoke or evaluation-only (steps=0) run relies on.
+RULES = {s.key: s.rule for s in SETTINGS}
 
 
 def check_choice_value(key: str, value, choices) -> None:
@@ -32,77 +31,23 @@ def check_choice_value(key: str, value, choices) -> None:
 
 def eval_chunk(setting) -> int | str | None:
     """eval.chunk: auto, a number of queries, or null (every query at once)."""
-    if setting is None or setting == "auto":
-        return setting
-    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
-        raise ValueError(f"eval.chunk={setting!r} is not valid; use auto, a number of queries >= 1, or null")
-    return setting
+    return settings.BY_KEY["eval.chunk"].check(setting)
 
 
 def check_device(key: str, value) -> None:
-    name = value if isinstance(value, str) else ""
-    index = name.removeprefix("cuda:")
-    if name not in DEVICE_FORMS[:3] and not (name.startswith("cuda:") and index.isdigit()):
-        raise ValueError(f"{key}={shown(value)} is not valid; choose one of {list(DEVICE_FORMS)}")
+    settings.Device()(key, value)
 
 
 def check_resume(key: str, value) -> None:
-    if value != "auto" and not isinstance(value, bool):
-        refuse(key, value, "auto, true or false")
-
-
-# Every setting of config.yaml, train/, eval/ and model/ with its rule; a key the config
-# lacks (one being added elsewhere) is skipped. Warm-up may exceed train.steps: the rate
-# then only ramps up, which a short smoke or evaluation-only (steps=0) run relies on.
-SETTINGS = {
-    "seed": Integer(0),
-    "threads": Integer(1, os.cpu_count() or 1, null="torch's default"),
-    "device": check_device,
-    "train.length": Integer(1),  # N; task.default_length unless set
-    "train.lengths": Choice(TRAIN_LENGTH_MODES),
-    "train.steps": Integer(0),  # 0: evaluate only (with train.init_from)
-    "train.batch_size": Integer(1),
-    "train.lr": Real(above=0),
-    "train.warmup_steps": Integer(0),
-    "train.min_lr_ratio": Real(least=0, most=1),
-    "train.schedule": Choice(SCHEDULES),
-    "train.weight_decay": Real(least=0),
-    "train.grad_clip": Real(above=0),
-    "train.precision": Choice(PRECISION_NAMES),
-    "train.compile": Flag(),
-    "train.log_every": Integer(1),
-    "train.save_checkpoint": Flag(),
-    "train.checkpoint_every": Integer(0, null="never"),  # 0 also means never
-    "train.resume": check_resume,
-    "train.positions": Choice(SCHEMES),
-    "train.max_position": Integer(1, null="the longest evaluated sequence"),
-    "eval.ratios": Items(Real(above=0)),
-    "eval.lengths": Items(Integer(1), null="use eval.ratios"),
-    "eval.samples": Integer(1),
-    "eval.batch_size": Integer(1),
-    "eval.seed": Integer(0),
-    "eval.chunk": lambda key, value: eval_chunk(value),
-    "model.d_model": Integer(1),
-    "model.n_layers": Integer(1),
-    "model.n_heads": Integer(1),  # d_model % n_heads: ModelConfig names both
-    "model.mlp_ratio": Integer(1),
-    "model.causal": Flag(),
-    "model.dropout": Real(least=0, below=1),
-    "model.activation": Choice(tuple(ACTIVATIONS)),
-    "model.norm": Choice(NORMS),
-    "model.bias": Flag(),
-    "model.norm_position": Choice(NORM_POSITIONS),
-    "model.embed_scale": Flag(),
-    "model.window": check_window,
-}
+    settings.Resume()(key, value)
 
 
 def check_parameter_names(cfg: DictConfig) -> None:
-    """Every key of encoding, task and model is a parameter of what it builds: a key left over
-    from another choice (a rope setting with encoding=t5) is named, not a TypeError."""
+    """Every key of encoding and task is a parameter of what it builds: a key left over from another
+    choice (a rope setting with encoding=t5) is named, not a TypeError."""
     from hydra.utils import get_object
 
-    for section in ("encoding", "task"):
+    for section in PARAMETER_SECTIONS:
         node = cfg.get(section)
         if node is None or "_target_" not in node:
             continue
@@ -112,22 +57,58 @@ def check_parameter_names(cfg: DictConfig) -> None:
         valid = sorted(set(signature.parameters) - {"dims"})
         unknown = [key for key in node if not str(key).startswith("_") and key not in valid]
         if unknown:
-            raise ValueError(f"{section}.{unknown[0]} is not a parameter of {node._target_}; "
-                             f"its parameters: {valid}")
-    valid = sorted(f.name for f in fields(ModelConfig) if f.name != "vocab_size")
-    unknown = [key for key in cfg.get("model") or {} if key not in valid]
-    if unknown:
-        raise ValueError(f"model.{unknown[0]} is not a model setting; the settings: {valid}")
+            near = settings.nearest(f"{section}.{unknown[0]}", [f"{section}.{name}" for name in valid])
+            raise ValueError(f"{section}.{unknown[0]} is not a parameter of {node._target_}; its parameters: "
+                             f"{valid}" + (f"; did you mean {' or '.join(near)}?" if near else ""))
+
+
+def check_setting_names(cfg: DictConfig) -> None:
+    """Every key of the config is declared (posbench.settings) or a parameter of the encoding or task:
+    a key added with `+` (`+train.stepz=5`) is refused like any other, naming the nearest valid keys."""
+    declared = {s.key for s in SETTINGS}
+    groups = (*SECTIONS, *PARAMETER_SECTIONS)
+    for key in cfg:
+        if key == "hydra" or key in declared:
+            continue
+        if key not in groups:
+            refuse_unknown(key, "is not a setting", sorted(k for k in declared if "." not in k) + list(groups))
+        elif key in SECTIONS:
+            node = cfg.get(key)
+            if not isinstance(node, DictConfig):
+                raise ValueError(f"{key}={shown(node)}: must be a group of settings; choose an option with "
+                                 f"{key}=<name> and set one with {key}.<setting>=<value>")
+            names = [s.name for s in settings.section(key)]
+            for leaf in node:
+                if leaf not in names:
+                    article = "an" if key[0] in "aeiou" else "a"
+                    refuse_unknown(f"{key}.{leaf}", f"is not {article} {key} setting", names, prefix=f"{key}.")
+
+
+def check_options(cfg: DictConfig) -> None:
+    """A setting of one option of its group only is refused with another: logger.project is wandb's, and
+    with logger=none it would do nothing."""
+    for s in SETTINGS:
+        chosen = OmegaConf.select(cfg, f"{s.section}.name", default=None) if s.option else s.option
+        if s.option != chosen and OmegaConf.select(cfg, s.key, default=ABSENT) is not ABSENT:
+            raise ValueError(f"{s.key} is a setting of {s.section}={s.option}, not of {s.section}={chosen}; "
+                             f"choose {s.section}={s.option} to use it")
+
+
+def refuse_unknown(key: str, what: str, names: list[str], prefix: str = "") -> None:
+    near = settings.nearest(key, [prefix + name for name in names])
+    hint = f"; did you mean {' or '.join(near)}?" if near else ""
+    raise ValueError(f"{key} {what}; the settings: {sorted(names)}{hint}")
 
 
 def check_config(cfg: DictConfig) -> None:
     """The settings that can be judged from the config alone."""
     check_parameter_names(cfg)
-    for key, rule in SETTINGS.items():
+    check_setting_names(cfg)
+    for key, rule in RULES.items():
         value = OmegaConf.select(cfg, key, default=ABSENT)
         if value is not ABSENT:
             rule(key, value)
-    published.parse(cfg.get(published.KEY))
+    check_options(cfg)
     if cfg.eval.lengths is None:  # the runner takes max(1, round(r * N)): a ratio must not round below 1
         length = cfg.train.length
         short = [r for r in cfg.eval.ratios if round(r * length) < 1]

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from posbench.metrics import ACCURACY
+
 
 @dataclass
 class Batch:
@@ -32,7 +34,8 @@ class Task:
     What the runner reads from a task (its contract): `causal` (the layout it lays out, which
     must match model.causal), `position_dims` (the positions it hands the model), `memory`
     (segment recurrence in evaluation: the model must then be relative, checked before
-    training), `vocab_size`, `default_length`, `params()` and the methods below."""
+    training), `vocab_size`, `default_length`, `metrics` (what `finalize` measures, declared in
+    posbench.metrics), `params()` and the methods below."""
 
     name: str = ""
     vocab_size: int = 0
@@ -40,6 +43,7 @@ class Task:
     causal: bool = True  # True: a decoder layout (scored on next tokens); False: an encoder layout
     position_dims: int = 1  # the positions handed to the model: 1 ids [1, T]; 2 (row, column) [1, T, 2] (grids)
     memory: int = 0  # tokens of segment-recurrence memory its evaluation batches carry (0: none)
+    metrics: tuple[str, ...] = ACCURACY  # the metrics `finalize` measures: names declared in posbench.metrics
 
     def params(self) -> dict:
         return {}

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from posbench.checks import Flag, Integer
+from posbench.metrics import LANGUAGE_MODEL
 from tasks.base import Batch, Task, batch_metrics
 from tasks.text_data import SPLITS, Corpus, TokenIds, check_choice
 
@@ -67,6 +68,7 @@ def position_bins(length: int, bins: int) -> torch.Tensor:
 
 class WikiText(Task):
     name = "wikitext"
+    metrics = LANGUAGE_MODEL  # loss, perplexity, bits per byte, token accuracy per protocol (exact_match: None)
 
     def __init__(self, dataset: str = "wikitext-2-v1", data_dir: str | None = None, tokenizer: str = "byte",
                  default_length: int = 64, eval_split: str = "validation", eval_tokens: int | None = 32768,
