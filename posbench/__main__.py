@@ -3,6 +3,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+import posbench.settings  # noqa: F401  (registers the resolver --help's page reads)
 from posbench.runner import run
 
 

@@ -75,6 +75,11 @@ class Built:
 def build(cfg: DictConfig, device: torch.device) -> Built:
     """Everything a run needs, validated before any training step."""
     check_config(cfg)
+    return build_checked(cfg, device)
+
+
+def build_checked(cfg: DictConfig, device: torch.device) -> Built:
+    """As build, for a config check_config has passed."""
     task: Task = instantiate(cfg.task, _partial_=True)()  # a bad task.<param>: its own ValueError, unwrapped
     train_length = int(cfg.train.length)
     lengths = eval_lengths(cfg.eval, train_length)

@@ -8,11 +8,12 @@ from omegaconf import DictConfig
 
 from posbench.build import Built, autocast, sync
 from posbench.memory import PeakMemory, return_large_blocks
+from posbench.metrics import ROW_METRICS
 from posbench.rundir import StopSignals
 from posbench.validate import eval_chunk
 
-UNMEASURED = {"exact_match": None, "token_acc": None, "loss": None, "eval_tokens_per_s": None,
-              "peak_mem_mb": None, "mem_kind": None}  # a length that was not evaluated
+UNMEASURED = {**dict.fromkeys(ROW_METRICS), "eval_tokens_per_s": None, "peak_mem_mb": None,
+              "mem_kind": None}  # a length that was not evaluated
 
 
 @torch.no_grad()

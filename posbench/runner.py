@@ -19,9 +19,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from posbench.build import Built, build, git_commit, resolve_device
+from posbench.build import Built, build_checked, git_commit, resolve_device
 from posbench.evaluation import UNMEASURED, evaluate
 from posbench.loggers import build_logger
+from posbench.metrics import TABLE_METRICS
 from posbench.results import ROW_FILE, RowWriter, plot_run
 from posbench.rundir import (
     CHECKPOINT_FILE,
@@ -131,7 +132,7 @@ def prepare(cfg: DictConfig) -> tuple[torch.device, Built]:
     # kept denormal, they slowed the fused attention backward 2x (alibi, fox) and weighed nothing
     torch.set_flush_denormal(True)
     device = resolve_device(cfg.device)
-    return device, build(cfg, device)
+    return device, build_checked(cfg, device)
 
 
 def write_hydra_record(cfg: DictConfig, run_dir: Path) -> None:
@@ -248,10 +249,6 @@ def length_row(info: RunInfo, built: Built, cfg: DictConfig, length: int) -> dic
     return {**info.row(), "eval_length": length, "eval_sequence_length": built.task.sequence_length(length),
             "ratio": length / built.train_length, "samples": int(cfg.eval.samples),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-
-
-TABLE_METRICS = ("exact_match", "token_acc", "loss", "perplexity", "sliding_perplexity", "recurrent_perplexity",
-                 "bits_per_byte")
 
 
 def closing_table(info: RunInfo, run_dir: Path, rows: list[dict], trained: TrainProgress) -> str:
