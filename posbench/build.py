@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from posbench.attention import get_backend
 from posbench.encodings.base import Encoding, ModelDims
+from posbench.guard import GuardResult, check_run, translate_oom
 from posbench.model import ModelConfig, Transformer
 from posbench.positions import PositionScheme, position_scheme
 from posbench.rundir import CHECKPOINT_FILE, load_checkpoint
@@ -70,6 +71,7 @@ class Built:
     init_steps: int = 0  # its training steps
     init_config: dict | None = None  # its resolved config (the run is grouped by it, not by the path)
     untrained: bool = False  # train.steps=0 without train.init_from: the fresh initialisation is evaluated
+    guard: GuardResult | None = None  # evaluation batch sizes the memory guard allows (posbench.guard)
 
 
 def build(cfg: DictConfig, device: torch.device) -> Built:
@@ -105,7 +107,9 @@ def build_checked(cfg: DictConfig, device: torch.device) -> Built:
     init_steps, init_config = load_initial_weights(model, init_from, cfg, device) if init_from else (0, None)
     built = Built(task, encoding, model, positions, backend.name, train_length, lengths, init_from, init_steps,
                   init_config, untrained=int(cfg.train.steps) == 0 and init_from is None)
-    check_built(built, cfg)
+    built.guard = check_run(cfg, built, device)  # before check_built draws data at the longest length
+    with translate_oom(built.lengths[-1], 1, "drawing the evaluation data"):
+        check_built(built, cfg)
     return built
 
 

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, fields
 from posbench.settings import added_settings
 
 # Dotted keys of the resolved config that cannot change a result.
-NOT_RESULT_KEYS = ("seed", "run_name", "logger", "threads", "task.data_dir", "task.cache_dir", "train.init_from",
-                   "train.resume", "train.checkpoint_every", "train.save_checkpoint", "published")
+NOT_RESULT_KEYS = ("seed", "run_name", "logger", "threads", "eval.memory_limit", "task.data_dir", "task.cache_dir",
+                   "train.init_from", "train.resume", "train.checkpoint_every", "train.save_checkpoint", "published")
 
 
 # Dotted keys added after results were committed -> the value every earlier run had: the settings

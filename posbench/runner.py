@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from posbench.build import Built, build_checked, git_commit, resolve_device
 from posbench.evaluation import UNMEASURED, evaluate
+from posbench.guard import translate_oom
 from posbench.loggers import build_logger
 from posbench.metrics import TABLE_METRICS
 from posbench.results import ROW_FILE, RowWriter, plot_run
@@ -105,6 +106,8 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
             if previous is None:  # a fresh directory: the refusal is its record (the report lists it)
                 status.fail(error_text(err))
             raise
+        for message in built.guard.messages:
+            print(f"memory: {message}", file=sys.stderr)
         if built.untrained:
             print("warning: train.steps=0 without train.init_from evaluates a freshly initialised model; its rows "
                   "carry untrained=true", file=sys.stderr)
@@ -203,7 +206,9 @@ def run_built(cfg: DictConfig, built: Built, device: torch.device, run_dir: Path
             row |= {"status": "diverged", **UNMEASURED}
         else:
             try:
-                row |= {"status": "ok", **evaluate(built, length, cfg.eval, device, cfg.train.precision, stop)}
+                cfg_eval = built.guard.eval_config(cfg.eval, length)
+                with translate_oom(length, int(cfg_eval.batch_size)):
+                    row |= {"status": "ok", **evaluate(built, length, cfg_eval, device, cfg.train.precision, stop)}
             except Exception as err:
                 write_failed_rows(writer, [row | failed_fields(err)])
                 raise

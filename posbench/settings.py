@@ -195,6 +195,9 @@ SETTINGS: tuple[Setting, ...] = (
     S("eval.batch_size", Integer(1), 256, "sequences per evaluation batch"),
     S("eval.seed", Integer(0), 1234, "the evaluation data's seed: the same sequences for every run"),
     S("eval.chunk", Chunk(), "auto", "queries attended at a time by layers that form logits"),
+    S("eval.memory_limit", Integer(1, null="the memory available less a margin"), None,
+      "MiB evaluation may allocate at one length: above it the guard lowers eval.batch_size, or refuses the "
+      "length (posbench.guard); not part of the config hash (posbench.runinfo.NOT_RESULT_KEYS)"),
     # the model (configs/model/small.yaml; ModelConfig)
     S("model.d_model", Integer(1), 64, "the residual width"),
     S("model.n_layers", Integer(1), 3, "transformer layers"),

@@ -124,7 +124,7 @@ BAD = [  # overrides -> the start of the message (the key and the value as given
     # every section's keys are declared (posbench.settings): a typo added with + is named with the nearest key
     (["+train.stepz=5"], "train.stepz is not a train setting; the settings: ['batch_size', "),
     (["+eval.sample=4"], "eval.sample is not an eval setting; the settings: ['batch_size', 'chunk', 'lengths', "
-                         "'ratios', 'samples', 'seed']; did you mean eval.samples?"),
+                         "'memory_limit', 'ratios', 'samples', 'seed']; did you mean eval.samples?"),
     (["+sed=4"], "sed is not a setting; the settings: ['backend', 'device', "),
     (["logger=wandb", "logger.tags=notalist"], "logger.tags='notalist': must be a list of strings, e.g. [a,b]"),
     (["logger=wandb", "logger.mode=loud"], "logger.mode='loud' is not valid; choose one of ['online', 'offline', "),

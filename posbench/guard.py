@@ -1,0 +1,443 @@
+"""The resource guard: what evaluation will allocate at each length, checked before training.
+
+`estimate` gives, for one evaluation length and batch size, an upper-ish bound of the memory one
+evaluation batch allocates on top of what the process holds once the model is built (calibrated
+against the peak resident set measured by posbench.memory: tests/test_guard.py). Its parts:
+
+    tokens T = task.sequence_length(length) (a grid: side^2 cells; + task.memory for the keys K),
+    B = min(eval.batch_size, eval.samples), D = d_model, r = mlp_ratio, V = vocab, H = heads, row = B x T x D x 4 bytes
+    data         B x T x DATA_BYTES (96 bytes a token; the heavier tasks in DATA_BYTES) + T x (D x 4 + 32)
+                 the batch, its generation's temporaries, position ids and a per-forward position table
+    forward      the largest of three phases (no_grad: one layer's tensors live at once):
+                 attention     ATTENTION_ROWS (10) rows + the attention of one chunk (below)
+                 feed-forward  (2 r + MLP_EXTRA_ROWS (4)) rows
+                 head          2 rows + B x T x (V x 4 x HEAD_COPIES (3) + 32)
+    attention    one chunk of queries of one layer, as posbench.attention.layer runs it:
+                 - eager: logits [B, H, c, K] x EAGER_COPIES (8) (+ the bias block twice); no chunking (c = T)
+                   when the encoding needs neither logits, nor a decay, nor a window;
+                 - sdpa with a bias: the bias block [1, H, c, K] x SDPA_BIAS_COPIES (2), plus BIAS_BUILD_BYTES (48)
+                   + 4 H bytes per query-key pair where the bias is built per block (not relative, or positions
+                   not contiguous: randomized, 2-D);
+                 - a window: its -inf mask [1, 1, c, K] and offsets; a decay alone (DECAY_CHUNK queries): k and v
+                   one column wider, 2 x [B, H, K, D/H + 1];
+                 - fused kernels (sdpa without a bias, flex): 4 x [B, H, T] floats;
+                 c: eval.chunk (auto: max(MIN_AUTO_CHUNK, AUTO_CHUNK_ELEMENTS // ((B if eager else 1) x H x K));
+                 null: T), K: the keys a chunk sees (T; c + window - 1 with a causal window); when no layer
+                 chunks, each distinct layer's bias [1, H, T, K] is held for the forward
+    model        parameters x 4 bytes (the gradients training leaves behind)
+    + OVERHEAD   16 MiB: the allocator, thread workspaces
+
+`check_run` compares every length with the limit (`memory_limit`: eval.memory_limit in MiB, or the
+memory available less a margin), lowers eval.batch_size where a smaller batch fits, and refuses with
+a ValueError naming eval.lengths, the length, the estimate and the limit where not even one sequence
+at a time fits. `translate_oom` turns an allocation error that still happens into a message naming
+the length and the settings to change.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from posbench.attention.layer import AUTO_CHUNK_ELEMENTS, DECAY_CHUNK, MIN_AUTO_CHUNK
+from posbench.attention.select import BACKENDS
+from posbench.hooks import needs_logits
+
+MIB = 2**20
+FLOAT = 4  # bytes of a float32 (bf16 autocast allocates less; the bound stays fp32's)
+# the batch (inputs, targets, mask: int64) and its generation's temporaries, per token: measured peaks of
+# task.eval_batches here were 14-55 bytes for most tasks; the heavier ones are listed (a task may also declare
+# `data_bytes_per_token` itself)
+DATA_BYTES_PER_TOKEN = 96
+DATA_BYTES = {"stack_manipulation": 256, "counting": 224, "polynomial_evaluation": 224, "grid_nearest": 160,
+              "life": 112, "addition": 112, "binary_addition": 112}  # measured 205, 185, 179, 127, 84, ~80, 74
+ATTENTION_ROWS = 10  # [B, T, D] tensors live around attention: x, norm, q k v, rotated q k, output blocks, copies
+MLP_EXTRA_ROWS = 4  # beside the [B, T, mlp_ratio D] pair: x, its norm, the output, the sum
+HEAD_COPIES = 3  # [B, T, V]: the logits, log-softmax, the loss's temporaries (+ 32 bytes a token: argmax, masks)
+EAGER_COPIES = 8  # [B, H, c, K] tensors an eager call holds at once (logits, bias sum, mask, softmax, hooks)
+SDPA_BIAS_COPIES = 2  # [1, H, c, K]: the block's bias and a contiguous slice or float copy of it
+BIAS_BUILD_BYTES = 48  # per query-key pair: relative offsets, buckets (int64) of a bias built for the block
+OVERHEAD = 16 * MIB
+MARGIN_FRACTION, MARGIN_LEAST = 0.10, 512 * MIB  # kept free of the memory available: the larger of the two
+SETTING = "eval.memory_limit"
+
+
+def gib(n_bytes: float) -> str:
+    """Bytes in the unit that reads best: 512.0 MiB, 3.4 GiB, 61.2 TiB."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30)):
+        if n_bytes >= size:
+            return f"{n_bytes / size:.1f} {unit}"
+    return f"{n_bytes / MIB:.1f} MiB"
+
+
+@dataclass
+class Estimate:
+    """What one evaluation batch at `length` allocates, in bytes, by part."""
+    length: int
+    tokens: int  # the sequence the model reads (a grid: side^2 cells)
+    batch: int
+    parts: dict[str, float]
+    chunk: int | None = None  # queries per attention chunk of the largest layer (None: no chunking)
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{name} {gib(value)}" for name, value in
+                          sorted(self.parts.items(), key=lambda item: -item[1]) if value >= MIB)
+        return f"about {gib(self.total)} ({parts})"
+
+
+def _model_cfg(built):
+    return built.model.cfg
+
+
+def _chunk_setting(cfg_eval) -> int | str | None:
+    setting = cfg_eval.get("chunk", "auto")
+    if setting is None or setting == "auto":
+        return setting
+    return int(setting)
+
+
+def _contiguous_positions(built) -> bool:
+    """A relative bias is taken from per-offset rows (posbench.attention.context.offset_rows) only over
+    contiguous positions shared by the batch: sequential or offset ids, 1-D or a grid's raster index."""
+    scheme = getattr(built.positions, "scheme", "sequential")
+    if scheme == "randomized":
+        return False
+    return built.task.position_dims == 1 or getattr(built.encoding, "position_dims", 1) == 1
+
+
+def attention_bytes(built, cfg, batch: int, tokens: int, keys: int, window: int | None,
+                    chunk_setting) -> tuple[float, int | None]:
+    """One layer's attention in evaluation: bytes at its largest chunk, and the chunk (None: one call)."""
+    mcfg = _model_cfg(built)
+    heads, head_dim = mcfg.n_heads, mcfg.d_model // mcfg.n_heads
+    encoding = built.encoding
+    hooks = set(encoding.hooks)
+    backend = BACKENDS[built.backend]
+    rows_fused = 4.0 * batch * heads * tokens * FLOAT  # out, lse and the kernel's per-row buffers
+    logits = needs_logits(hooks) or window is not None
+    decay = "decay" in hooks
+    per_sequence = backend.per_sequence_logits
+    if not backend.takes_bias:  # flex: block masks, its own bounded memory
+        return rows_fused, None
+    if not (logits or decay):
+        if per_sequence:  # eager without chunking: every query's logits at once
+            return EAGER_COPIES * batch * heads * tokens * keys * FLOAT, None
+        return rows_fused, None
+    if not logits:
+        chunk = DECAY_CHUNK
+    elif chunk_setting == "auto":
+        rows = (batch if per_sequence else 1) * heads * keys
+        chunk = max(MIN_AUTO_CHUNK, AUTO_CHUNK_ELEMENTS // rows)
+    elif chunk_setting is None:
+        chunk = tokens
+    else:
+        chunk = int(chunk_setting)
+    chunk = min(chunk, tokens)
+    seen = keys
+    if window is not None and mcfg.causal:
+        seen = min(keys, chunk + window - 1)
+    pairs = float(chunk) * seen
+    has_bias = "bias" in hooks
+    relative_rows = has_bias and encoding.bias_relative and _contiguous_positions(built)
+    build = 0.0 if not has_bias or relative_rows else pairs * (BIAS_BUILD_BYTES + heads * FLOAT)
+    bias_block = heads * pairs * FLOAT if has_bias else 0.0
+    if per_sequence:
+        total = EAGER_COPIES * batch * heads * pairs * FLOAT + 2 * bias_block + build
+        if window is not None or mcfg.causal:
+            total += pairs * 9  # the visible mask: offsets (int64) and booleans
+    elif logits:
+        total = SDPA_BIAS_COPIES * bias_block + build
+        if window is not None:
+            total += pairs * (3 * FLOAT + 8 + 2)  # zeros, the -inf mask, offsets and booleans
+    else:  # a decay alone: q, k, v one column wider, each chunk against its whole key prefix
+        total = (2.0 * keys + chunk) * batch * heads * (head_dim + 1) * FLOAT
+    if not logits or chunk < tokens:
+        return total + rows_fused, chunk
+    return total + rows_fused, None
+
+
+def data_bytes_per_token(task) -> float:
+    return float(getattr(task, "data_bytes_per_token", None) or DATA_BYTES.get(task.name, DATA_BYTES_PER_TOKEN))
+
+
+def estimate(cfg: DictConfig, built, length: int, batch: int | None = None, chunk_setting="unset") -> Estimate:
+    """What evaluating one batch of `batch` sequences (default: eval.batch_size, at most eval.samples) at
+    task length `length` allocates beyond the built model, in bytes by part (see the module's docstring).
+    The forward's peak is the largest of three phases, not their sum: attention (the layer's [B, T, D]
+    tensors and its chunk), the feed-forward, the head with the metrics."""
+    mcfg = _model_cfg(built)
+    task = built.task
+    if batch is None:
+        batch = min(int(cfg.eval.batch_size), int(cfg.eval.samples))
+    if chunk_setting == "unset":
+        chunk_setting = _chunk_setting(cfg.eval)
+    tokens = int(task.sequence_length(length))
+    keys = tokens + int(getattr(task, "memory", 0) or 0)
+    d_model, vocab = mcfg.d_model, task.vocab_size
+    position_bytes = 8.0 * keys * task.position_dims * 4  # ids, a grid's rows and columns, the raster index
+    if getattr(built.positions, "scheme", "sequential") == "randomized":
+        position_bytes += 24.0 * built.positions.max_position  # randperm over max_position, sorted
+    position_bytes += keys * d_model * FLOAT  # a position table or rotation the encoding builds per forward
+    data = batch * tokens * data_bytes_per_token(task) + position_bytes
+    row = float(batch) * tokens * d_model * FLOAT  # one [B, T, D] tensor
+    attention, chunk = 0.0, None
+    for window in sorted({mcfg.layer_window(layer) for layer in range(mcfg.n_layers)},
+                         key=lambda w: (w is not None, w or 0)):
+        size, layer_chunk = attention_bytes(built, cfg, batch, tokens, keys, window, chunk_setting)
+        if size > attention:
+            attention, chunk = size, layer_chunk
+    if "bias" in built.encoding.hooks and chunk is None and BACKENDS[built.backend].takes_bias:
+        distinct = 1 if built.encoding.bias_layers_shared else mcfg.n_layers  # held by the forward's PositionContext
+        attention += distinct * mcfg.n_heads * float(tokens) * keys * FLOAT
+    phases = {
+        "attention": {"attention": attention, "activations": ATTENTION_ROWS * row},
+        "feed-forward": {"activations": (2 * mcfg.mlp_ratio + MLP_EXTRA_ROWS) * row},
+        "head": {"activations": 2 * row + float(batch) * tokens * (vocab * FLOAT * HEAD_COPIES + 32)},
+    }
+    peak = max(phases.values(), key=lambda parts: sum(parts.values()))
+    params = sum(p.numel() * p.element_size() for p in built.model.parameters())
+    return Estimate(length, tokens, batch, {**peak, "data": data, "model": float(params), "overhead": float(OVERHEAD)},
+                    chunk)
+
+
+# --- the limit ------------------------------------------------------------------------------------
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil  # optional: macOS and the like
+        return int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001 - not installed, or no answer: unknown
+        return None
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max": no limit
+
+
+def _cgroup_available() -> int | None:
+    """What the process's cgroup still allows (v2 memory.max - memory.current; v1 limit - usage)."""
+    own = Path("/sys/fs/cgroup")
+    try:  # v2: the process's own group, as /proc/self/cgroup names it ("0::/path")
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            if line.startswith("0::"):
+                candidate = own / line[3:].lstrip("/")
+                if (candidate / "memory.max").exists():
+                    own = candidate
+    except OSError:
+        pass
+    for limit_file, usage_file in ((own / "memory.max", own / "memory.current"),
+                                   (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+                                    Path("/sys/fs/cgroup/memory/memory.usage_in_bytes"))):
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and limit < 2**60:  # v1 writes a huge number for "no limit"
+            return max(0, limit - (usage or 0))
+    return None
+
+
+@dataclass
+class Limit:
+    bytes: float | None  # None: unknown, nothing is checked
+    source: str  # how it was set, for messages
+
+    def __str__(self) -> str:
+        return f"{gib(self.bytes)} ({self.source})" if self.bytes is not None else self.source
+
+
+def memory_limit(cfg: DictConfig, device: torch.device | str = "cpu") -> Limit:
+    """eval.memory_limit (MiB) when set; else what the device has available less a margin (the larger of
+    MARGIN_FRACTION and MARGIN_LEAST): on CUDA the device's free memory, on CPU /proc/meminfo's MemAvailable
+    (psutil where there is no /proc) and the cgroup's remaining allowance, whichever is smaller."""
+    setting = cfg.eval.get("memory_limit") if "eval" in cfg else None
+    if setting is not None:
+        if isinstance(setting, bool) or not isinstance(setting, (int, float)) or setting <= 0:
+            raise ValueError(f"{SETTING}={setting!r} is not valid; give the MiB evaluation may allocate (a number "
+                             "> 0), or null for the memory available less a margin")
+        return Limit(float(setting) * MIB, f"{SETTING}={setting} MiB")
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        available, where = float(free), f"free on {device}"
+    else:
+        found = [(value, where) for value, where in ((_meminfo_available(), "MemAvailable"),
+                                                    (_cgroup_available(), "the cgroup's memory.max"))
+                 if value is not None]
+        if not found:
+            return Limit(None, f"memory available unknown here; set {SETTING} (MiB) to check lengths")
+        available, where = min(found)
+    margin = max(MARGIN_LEAST, MARGIN_FRACTION * available)
+    return Limit(max(0.0, available - margin), f"{where} {gib(available)} less a {gib(margin)} margin; "
+                                              f"{SETTING}=<MiB> sets it")
+
+
+# --- the check -------------------------------------------------------------------------------------
+
+@dataclass
+class GuardResult:
+    """The evaluation batch size for each length (eval.batch_size, or less where that would not fit), the
+    messages to print, the estimates and the limit they were compared with."""
+    batch_sizes: dict[int, int]
+    messages: list[str] = field(default_factory=list)
+    estimates: dict[int, Estimate] = field(default_factory=dict)
+    limit: Limit | None = None
+
+    @property
+    def batch_size(self) -> int:
+        """The smallest batch of any length (one number, for a caller that takes one)."""
+        return min(self.batch_sizes.values())
+
+    def eval_config(self, cfg_eval: DictConfig, length: int) -> DictConfig:
+        """cfg.eval for one length with the guard's batch size: what posbench.evaluation.evaluate reads.
+        The run's own config (its hash, its rows) is unchanged."""
+        batch = self.batch_sizes.get(length)
+        if batch is None or batch == int(cfg_eval.batch_size):
+            return cfg_eval
+        copy = OmegaConf.create(OmegaConf.to_container(cfg_eval, resolve=True))
+        with open_dict(copy):
+            copy.batch_size = batch
+        return copy
+
+
+def largest_batch(cfg: DictConfig, built, length: int, limit: float, most: int) -> tuple[int, Estimate]:
+    """The largest batch in 1..most whose estimate fits `limit` (0 when not even one sequence does), with
+    its estimate (at batch 1 when none fits). The estimate grows with the batch: bisect."""
+    low_est = estimate(cfg, built, length, 1)
+    if low_est.total > limit:
+        return 0, low_est
+    low, high, best = 1, most, low_est
+    while low < high:
+        middle = (low + high + 1) // 2
+        trial = estimate(cfg, built, length, middle)
+        if trial.total <= limit:
+            low, best = middle, trial
+        else:
+            high = middle - 1
+    return low, best
+
+
+def shape(task, length: int, tokens: int) -> str:
+    if task.position_dims == 2:
+        return f"grids of side {length}: {tokens:,} cells"
+    return f"{tokens:,} tokens"
+
+
+def check(cfg: DictConfig, built, device: torch.device | str = "cpu") -> GuardResult:
+    """Every evaluation length against the limit: the batch size each gets, or a ValueError naming every
+    length that cannot fit even one sequence at a time."""
+    limit = memory_limit(cfg, device)
+    batch = min(int(cfg.eval.batch_size), int(cfg.eval.samples))
+    result = GuardResult({length: batch for length in built.lengths}, limit=limit)
+    refused = []
+    for length in built.lengths:
+        full = estimate(cfg, built, length, batch)
+        result.estimates[length] = full
+        if limit.bytes is None or full.total <= limit.bytes:
+            continue
+        fitting, est = largest_batch(cfg, built, length, limit.bytes, batch)
+        if fitting:
+            result.batch_sizes[length], result.estimates[length] = fitting, est
+            result.messages.append(
+                f"length {length} ({shape(built.task, length, est.tokens)}): eval.batch_size={cfg.eval.batch_size} "
+                f"would need {full.describe()}, over the limit {limit}; evaluating it {fitting} sequence"
+                f"{'s' if fitting > 1 else ''} at a time instead (about {gib(est.total)}). Tasks that draw each "
+                "batch as a whole (stack_manipulation, passkey, ...) then draw other sequences than at "
+                f"eval.batch_size={cfg.eval.batch_size}")
+            continue
+        hint = ""
+        chunk = _chunk_setting(cfg.eval)
+        if chunk != "auto":
+            auto = estimate(cfg, built, length, 1, "auto")
+            if auto.total <= limit.bytes:
+                hint = f"; eval.chunk=auto would fit it ({gib(auto.total)} at eval.batch_size=1)"
+        refused.append((length, est, hint))
+    if refused:
+        if cfg.eval.get("lengths"):
+            key, named = "eval.lengths", f"eval.lengths={[int(n) for n in cfg.eval.lengths]}"
+        else:
+            key = "eval.ratios"
+            named = (f"eval.ratios={[float(r) for r in cfg.eval.ratios]} (lengths {built.lengths} at "
+                     f"train.length={built.train_length})")
+        lines = [f"  length {length} ({shape(built.task, length, est.tokens)}):"
+                 f" {est.describe()} at eval.batch_size=1{hint}" for length, est, hint in refused]
+        several = len(refused) > 1
+        raise ValueError(
+            f"{named}: {len(refused)} length{'s' if several else ''} cannot be evaluated within the memory limit "
+            f"{limit}, even one sequence at a time:\n" + "\n".join(lines)
+            + f"\nleave {'them' if several else 'it'} out of {key}, or raise {SETTING} (MiB) if more memory is there "
+              "(refused before training: nothing ran)")
+    return result
+
+
+def check_run(cfg: DictConfig, built, device: torch.device | str = "cpu") -> GuardResult:
+    """The runner's call after build, before the evaluation data is drawn and before training: the
+    GuardResult (batch sizes, messages to print), or a ValueError naming the lengths that cannot fit."""
+    return check(cfg, built, device)
+
+
+# --- allocation errors -----------------------------------------------------------------------------
+
+OOM_MARKERS = ("can't allocate memory", "cannot allocate memory", "out of memory", "not enough memory",
+               "defaultcpuallocator: can't allocate", "failed to allocate")
+
+
+def is_oom(err: BaseException) -> bool:
+    """An allocation failure: torch.OutOfMemoryError (CUDA), MemoryError, or the CPU allocator's RuntimeError."""
+    oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    if isinstance(err, MemoryError) or (oom_type is not None and isinstance(err, oom_type)):
+        return True
+    return isinstance(err, RuntimeError) and any(marker in str(err).lower() for marker in OOM_MARKERS)
+
+
+class OutOfMemory(RuntimeError):
+    """An allocation that failed, told in the run's terms; `original` keeps torch's error."""
+
+    def __init__(self, message: str, original: BaseException):
+        super().__init__(message)
+        self.original = original
+
+
+def oom_message(err: BaseException, length: int | None = None, batch: int | None = None,
+                what: str = "evaluation", settings: str | None = None) -> str:
+    raw = " ".join(str(err).split())[:200]
+    where = f"{what} at length {length}" if length is not None else what
+    if batch is not None:
+        where += f" ({batch} sequence{'s' if batch != 1 else ''} per batch)"
+    settings = settings or (f"leave length {length} out of eval.lengths, lower eval.batch_size, or set "
+                            f"{SETTING} (MiB) to what this machine can give so that the guard checks against it"
+                            if length is not None else f"lower eval.batch_size or eval.lengths, or set {SETTING}")
+    return f"out of memory in {where}: {settings} (torch: {type(err).__name__}: {raw})"
+
+
+@contextlib.contextmanager
+def translate_oom(length: int | None = None, batch: int | None = None, what: str = "evaluation",
+                  settings: str | None = None):
+    """Re-raises an allocation failure inside the block as OutOfMemory with a message naming the length
+    and the settings to change (torch's own text at its end); any other error passes unchanged."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - only allocation failures are translated
+        if not is_oom(err):
+            raise
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        raise OutOfMemory(oom_message(err, length, batch, what, settings), err) from None
+
+
+__all__ = ["Estimate", "GuardResult", "Limit", "OutOfMemory", "check", "check_run", "estimate", "is_oom",
+           "memory_limit", "oom_message", "translate_oom"]
