@@ -128,7 +128,7 @@ def load_initial_weights(model: Transformer, path: str, cfg: DictConfig, device:
 
     The checkpoint must hold the same encoding and architecture. With train.steps=0 the
     run only evaluates, so it must keep the checkpoint's N: scalings and ratios refer to it."""
-    checkpoint = load_checkpoint(Path(path), device)
+    checkpoint = load_checkpoint(Path(path), device, setting="train.init_from")
     saved = checkpoint["config"]
     if not all(isinstance(saved.get(key), dict) for key in ("encoding", "model", "train", "task")):
         raise ValueError(f"train.init_from={path}: its config lacks the encoding, model, train or task section; "

@@ -33,7 +33,7 @@ from posbench.results import (METRIC_LABELS, Skipped, collect, plot_cost, plot_c
 from posbench import published
 from posbench.rundir import FINAL_STATES, STATUS_FILE, describe
 from posbench.runinfo import flatten, with_added_settings
-from posbench.sweeps import sweep_progress
+from posbench.sweeps import read_multirun, sweep_progress
 
 # Row columns that define a configuration besides task, encoding and the three parameter dicts.
 SETTING_COLUMNS = ("backend", "train_length", "train_lengths", "positions", "max_position", "steps", "init_steps")
@@ -62,10 +62,28 @@ def read_config(source: str) -> tuple[dict, Skipped | None]:
         mark = getattr(err, "problem_mark", None)
         where, reason = (mark.line + 1 if mark else None), f"not YAML: {getattr(err, 'problem', None) or err}"
     else:
-        if config is None or isinstance(config, dict):
+        problem = config_problem(config)
+        if problem is None:
             return config or {}, None
-        where, reason = None, "not a mapping of settings"
+        where, reason = None, problem
     return {}, Skipped(file, where, f"{reason} (the run's steps and lengths come from its rows)", whole_file=True)
+
+
+def config_problem(config) -> str | None:
+    """Why a parsed config.yaml cannot give the run's steps and lengths, or None: not a mapping, a
+    train: or eval: section that is not one, or a train.steps that is not a whole number."""
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        return "not a mapping of settings"
+    for section in ("train", "eval"):
+        value = config.get(section)
+        if value is not None and not isinstance(value, dict):
+            return f"{section}: is {json.dumps(value, default=str)[:40]}, not a mapping of settings"
+    steps = (config.get("train") or {}).get("steps")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)):
+        return f"train.steps: is {json.dumps(steps, default=str)[:40]}, not a whole number"
+    return None
 
 
 def run_config(source: str) -> dict:
@@ -79,7 +97,7 @@ def unreadable_configs(sources) -> list[Skipped]:
 
 def configured_steps(source: str) -> int | None:
     """train.steps the run was given: a diverged run's rows record the steps it got through."""
-    steps = run_config(source).get("train", {}).get("steps")
+    steps = (run_config(source).get("train") or {}).get("steps")  # read_config checked its type
     return int(steps) if steps is not None else None
 
 
@@ -801,15 +819,21 @@ def progress(paths) -> list[str]:
                          f"{lengths_text(done)} of {lengths_text(status.get('lengths') or [])} ({run_dir})")
         state = text.split(" ")[0]
         states[state] = states.get(state, 0) + 1
+    sweep_lines = []
+    for sweep in map(Path, paths):  # a sweep directory: its jobs against the total, and the time left
+        if not sweep.is_dir():
+            continue
+        read = read_multirun(sweep)
+        if read[1] is not None:  # a multirun.yaml that cannot be used: skipped input like any other
+            skipped.append(read[1])
+        inside = [status for run_dir, status in records.items() if sweep in Path(run_dir).parents]
+        line = sweep_progress(sweep, inside, read)
+        if line:
+            sweep_lines.append(line)
     counts = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
     lines.append(counts + (f"; skipped {skipped_summary(skipped)}, as the report skips them:" if skipped else ""))
     lines += [f"  {line}" for line in skipped_lines(skipped)]
-    for sweep in map(Path, paths):  # a sweep directory: its jobs against the total, and the time left
-        inside = [status for run_dir, status in records.items() if sweep in Path(run_dir).parents]
-        line = sweep_progress(sweep, inside) if sweep.is_dir() else None
-        if line:
-            lines.append(line)
-    return lines
+    return lines + sweep_lines
 
 
 def main(argv: list[str] | None = None) -> Path | None:

@@ -6,6 +6,7 @@ measured, so a crash loses nothing already written.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,37 +27,63 @@ LENGTH_KEYS = ("status", "eval_length", "eval_sequence_length", "ratio", "sample
 SCHEMA = (*RUN_KEYS, *LENGTH_KEYS)
 
 
-def read_rows(path: Path) -> list[dict]:
-    """The rows of one results.jsonl; a line that cannot be parsed (written by an older,
-    non-atomic version and torn by a kill) is skipped."""
-    rows = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+def read_lines(path: Path) -> list[dict | bytes]:
+    """Every line of one results.jsonl in order: a row (a JSON object with a run_id), or the line's own
+    bytes where it is not one (torn by a kill, not UTF-8, not JSON, not a row), each of those warned
+    with file:line. Blank lines carry nothing and are left out."""
+    data = Path(path).read_bytes()
+    lines: list[dict | bytes] = []
+    for line_no, line in enumerate(data.split(b"\n"), 1):
+        if not line.strip():
             continue
-    return rows
+        try:
+            row = json.loads(line.decode())
+        except UnicodeDecodeError as err:
+            reason = undecodable(line, err)[1]
+        except json.JSONDecodeError as err:
+            reason = f"not JSON: {err.msg} (column {err.colno})"
+        else:
+            if isinstance(row, dict) and "run_id" in row:
+                lines.append(row)
+                continue
+            reason = "not a result row: it lacks run_id" if isinstance(row, dict) else \
+                f"a JSON {type(row).__name__}, not a row object"
+        warnings.warn(f"{path}:{line_no}: {reason}; the line stays in the file as it is, unused", stacklevel=2)
+        lines.append(line)
+    return lines
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of one results.jsonl; a line that is not a row (one torn by a kill, say) is warned
+    with file:line and left out of the rows (read_lines)."""
+    return [line for line in read_lines(path) if isinstance(line, dict)]
 
 
 class RowWriter:
     """<run dir>/results.jsonl, one JSON object per row, rewritten whole and atomically on
     every row (so a kill or a full disk leaves the previous rows intact).
 
-    `keep` selects the rows already there that stay (a resumed run keeps its measured lengths)."""
+    `keep` selects the rows already there that stay (a resumed run keeps its measured lengths).
+    A line that is not a row is never dropped: it is warned with file:line and written back as it
+    was, in its place, so no rewrite loses a line the run cannot read (it may hold a measured row)."""
 
     def __init__(self, run_dir: str | Path, keep=None):
         self.path = Path(run_dir) / ROW_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.rows = read_rows(self.path) if self.path.exists() else []
-        if keep is not None:
-            self.rows = [row for row in self.rows if keep(row)]
+        lines = read_lines(self.path) if self.path.exists() else []
+        self.lines = [line for line in lines if not isinstance(line, dict) or keep is None or keep(line)]
+
+    @property
+    def rows(self) -> list[dict]:
+        return [line for line in self.lines if isinstance(line, dict)]
 
     def write(self, row: dict) -> None:
         missing = set(SCHEMA) - set(row)
         if missing:
             raise KeyError(f"result row lacks {sorted(missing)}")
-        self.rows.append(row)
-        atomic_write(self.path, "".join(json.dumps(r, default=str) + "\n" for r in self.rows))
+        self.lines.append(row)
+        atomic_write(self.path, b"".join(line + b"\n" if isinstance(line, bytes)
+                                         else (json.dumps(line, default=str) + "\n").encode() for line in self.lines))
 
 
 def find_run_files(paths) -> tuple[list[Path], list[Path]]:

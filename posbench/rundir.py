@@ -71,23 +71,34 @@ def save_torch(obj, path: Path) -> None:
     atomic_write(path, buffer.getvalue())
 
 
-def load_checkpoint(path: Path, device) -> dict:
-    """A checkpoint written by posbench, or a ValueError that says what the file is instead."""
-    import pickle
-    import zipfile
-
+def load_checkpoint(path: Path, device, setting: str | None = None) -> dict:
+    """A checkpoint written by posbench, or a ValueError that names it (as `setting=path` when a
+    setting gave it, train.init_from) and says what the file is instead. Any failure of torch.load
+    counts: a text file or random bytes raise KeyError or UnpicklingError, a truncated one
+    RuntimeError or EOFError, depending on the torch version; the message keeps torch's words."""
     import torch
 
+    name = f"{setting}={path}" if setting else str(path)
     try:
         checkpoint = torch.load(path, map_location=device, weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError) as err:
-        raise ValueError(f"{path} is not a readable checkpoint (truncated, corrupted or not a torch file): "
-                         f"{type(err).__name__}: {str(err)[:200]}") from err
+    except Exception as err:  # noqa: BLE001 - every load failure gets the same answer
+        raise ValueError(f"{name}: not a posbench checkpoint (torch.load failed: {load_error_text(err)}; "
+                         "the file is truncated, corrupted or not a torch checkpoint)") from None
     missing = [key for key in ("model", "config", "steps") if not isinstance(checkpoint, dict) or key not in checkpoint]
     if missing:
-        raise ValueError(f"{path} is not a posbench checkpoint: it lacks {missing} (a posbench run saves model, "
+        raise ValueError(f"{name}: not a posbench checkpoint (it lacks {missing}; a posbench run saves model, "
                          "config and steps)")
     return checkpoint
+
+
+def load_error_text(err: BaseException, limit: int = 240) -> str:
+    """torch.load's error in one line: its type and words, the weights-only unpickler's own reason
+    rather than the advice around it (KeyError: 101, UnpicklingError: Unsupported operand 192)."""
+    text = str(err)
+    if "WeightsUnpickler error:" in text:  # the reason sits between this mark and a blank line
+        text = text.split("WeightsUnpickler error:", 1)[1].strip().split("\n\n")[0]
+    text = " ".join(text.split())
+    return f"{type(err).__name__}: {text[:limit] + '...' if len(text) > limit else text}"
 
 
 def read_status(run_dir: Path) -> dict | None:

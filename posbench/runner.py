@@ -167,7 +167,7 @@ def write_failed_rows(writer: RowWriter, rows: list[dict]) -> None:
 def run_built(cfg: DictConfig, built: Built, device: torch.device, run_dir: Path, resolved: dict, status: Status,
               stop: StopSignals) -> list[dict]:
     info = run_info(cfg, built, device, status.record["run_id"], resolved)
-    writer = RowWriter(run_dir, keep=lambda row: row["run_id"] == info.run_id and row["status"] == "ok")
+    writer = RowWriter(run_dir, keep=lambda row: row.get("run_id") == info.run_id and row.get("status") == "ok")
     status.update(config_hash=info.config_hash, run_name=info.run_name, steps=int(cfg.train.steps),
                   lengths=built.lengths, lengths_done=[r["eval_length"] for r in writer.rows])
     write_hydra_record(cfg, run_dir)

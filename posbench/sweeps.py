@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+from posbench.results import Skipped, undecodable
 from posbench.rundir import FINAL_STATES
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -43,16 +44,46 @@ def duration_text(value: float) -> str:
     return f"{minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else f"{max(minutes, 1)} min"
 
 
-def sweep_progress(sweep: Path, statuses: list[dict]) -> str | None:
+def read_multirun(sweep: Path) -> tuple[dict | None, Skipped | None]:
+    """The sweep directory's multirun.yaml (None when it has none), or None and why it cannot be used:
+    unreadable, not UTF-8, not YAML, not a mapping, or a hydra: section that is not one."""
+    file = Path(sweep) / SWEEP_FILE
+    try:
+        data = file.read_bytes()
+        multirun = yaml.safe_load(data.decode())
+    except (FileNotFoundError, IsADirectoryError):
+        return None, None
+    except OSError as err:
+        where, reason = None, f"unreadable: {err.strerror or err}"
+    except UnicodeDecodeError as err:
+        where, reason = undecodable(data, err)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where, reason = (mark.line + 1 if mark else None), f"not YAML: {getattr(err, 'problem', None) or err}"
+    else:
+        multirun = multirun or {}
+        hydra = multirun.get("hydra") if isinstance(multirun, dict) else None
+        if isinstance(multirun, dict) and (hydra is None or isinstance(hydra, dict)):
+            return multirun, None
+        where, reason = None, ("not a mapping of settings" if not isinstance(multirun, dict)
+                               else f"hydra: is a {type(hydra).__name__}, not a mapping of settings")
+    return None, Skipped(file, where, reason, whole_file=True)
+
+
+def sweep_progress(sweep: Path, statuses: list[dict], read: tuple | None = None) -> str | None:
     """One line for a sweep directory (None without its multirun.yaml): jobs finished, running and
     not started of the total, and the time left: the median run of those that finished in one go
-    (status.json's started..updated), times the jobs not finished, over the launcher's n_jobs."""
-    try:
-        multirun = yaml.safe_load((sweep / SWEEP_FILE).read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return None
+    (status.json's started..updated), times the jobs not finished, over the launcher's n_jobs.
+    `read`: read_multirun(sweep) where the caller has it. A multirun.yaml that cannot be used is
+    skipped: the line counts what finished and names the file (the caller lists it as skipped input)."""
+    multirun, problem = read if read is not None else read_multirun(sweep)
     finished = [s for s in statuses if s.get("state") in FINAL_STATES]
     running = sum(s.get("state") == "running" for s in statuses)
+    if problem is not None:
+        return (f"sweep {sweep}: {len(finished)} jobs finished, {running} running; the total is not known "
+                f"(skipped {problem})")
+    if multirun is None:
+        return None
     try:
         total = job_count(multirun)
     except Exception as err:  # overrides Hydra's parser refuses
@@ -61,7 +92,10 @@ def sweep_progress(sweep: Path, statuses: list[dict]) -> str | None:
         reason = "a glob over config groups posbench's configs/ lack"
     if not total:
         return f"sweep {sweep}: {len(finished)} jobs finished, {running} running; the total is not known ({reason})"
-    parallel = int(((multirun.get("hydra") or {}).get("launcher") or {}).get("n_jobs") or 1)
+    try:
+        parallel = max(1, int(((multirun.get("hydra") or {}).get("launcher") or {}).get("n_jobs") or 1))
+    except (AttributeError, TypeError, ValueError):  # a launcher section of another layout
+        parallel = 1
     line = (f"sweep {sweep}: {len(finished)} of {total} jobs finished, {running} running, "
             f"{max(0, total - len(statuses))} not started")
     whole = [seconds(s["updated"]) - seconds(s["started"]) for s in finished

@@ -21,10 +21,13 @@ import hashlib
 import json
 import lzma
 import os
+import socket
 import warnings
 from array import array
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 import torch
@@ -58,21 +61,93 @@ HOW_TO_FIX = (
 
 
 def release_rows(path: Path) -> list[str]:
-    """The hub's rows of one release file: iterate lines like `open()` does, blank ones -> ""."""
+    """The hub's rows of one release file: iterate lines like `open()` does, blank ones -> "".
+    A file that is not UTF-8 text (or not .xz data, for a .xz name) -> DataUnavailableError naming
+    it, the line where it breaks and what the folder should hold."""
     opener = lzma.open if path.suffix == ".xz" else open
-    with opener(path, "rt", encoding="utf-8") as lines:
-        return [row if row.strip() else "" for row in lines]
+    try:
+        with opener(path, "rt", encoding="utf-8") as lines:
+            return [row if row.strip() else "" for row in lines]
+    except UnicodeDecodeError:
+        problem = f"is not UTF-8 text ({first_undecodable(path, opener)})"
+    except (lzma.LZMAError, EOFError) as err:  # a .xz name over other bytes, or a cut .xz file
+        problem = f"is not a whole .xz file ({type(err).__name__}: {err})"
+    except OSError as err:
+        problem = f"cannot be read ({err.strerror or err})"
+    stem = path.name.removesuffix(".xz")
+    raise DataUnavailableError(
+        f"task.data_dir={path.parent}: {path.name} {problem}. Expected the WikiText release's {stem}: plain UTF-8 "
+        f"text, one line of the corpus per line{', compressed with xz' if path.suffix == '.xz' else ''}. Replace "
+        "it with the release's file, or point task.data_dir (POSBENCH_WIKITEXT_DIR) at a good copy.") from None
+
+
+def first_undecodable(path: Path, opener) -> str:
+    """Where the file's first non-UTF-8 byte is: 'byte 0xce at line 3, column 1'."""
+    with opener(path, "rb") as lines:
+        for line_no, line in enumerate(lines, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                return f"byte 0x{line[err.start]:02x} at line {line_no}, column {err.start + 1}"
+    return "a character cut at the end of the file"
+
+
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+PROBE_SECONDS = 3.0  # one TCP connection to the hub; its failure means no network, not a slow one
+
+
+def hub_offline() -> str | None:
+    """Why the hub cannot be reached, found cheaply, or None: an HF_*_OFFLINE variable set, or one
+    TCP connection to the hub's host that fails within PROBE_SECONDS (no DNS, no route). Without
+    this, `datasets` retries each request for about 26 s before it gives up. Behind a proxy the
+    direct connection says nothing, so nothing is probed."""
+    for name in OFFLINE_VARIABLES:
+        if os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE"):
+            return f"{name}={os.environ[name]} is set"
+    if any(os.environ.get(name) for name in PROXY_VARIABLES):
+        return None
+    endpoint = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=PROBE_SECONDS).close()
+    except OSError as err:
+        return f"{host}:{port} cannot be reached: {err.strerror or type(err).__name__}"
+    return None
+
+
+@contextmanager
+def offline_mode(datasets):
+    """`datasets` and `huggingface_hub` in offline mode for the block (as HF_HUB_OFFLINE=1 would set
+    them at import): a cached copy of the dataset still loads, a missing one fails at once."""
+    import huggingface_hub.constants as hub_constants
+
+    saved = [(module, getattr(module, "HF_HUB_OFFLINE", None)) for module in (datasets.config, hub_constants)]
+    for module, _ in saved:
+        module.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        for module, value in saved:
+            module.HF_HUB_OFFLINE = value
 
 
 def hub_rows(dataset: str, split: str) -> list[str]:
+    """The split's rows from the hub (or the `datasets` cache). Offline, found by hub_offline, it
+    loads only from the cache, so a missing copy fails in a second, not after the hub's retries;
+    every failure is one DataUnavailableError with both fixes (no chain of the hub's errors)."""
+    offline = hub_offline()
     try:
         import datasets
 
-        return list(datasets.load_dataset(HUB_REPO, dataset, split=split)["text"])
+        with offline_mode(datasets) if offline else nullcontext():  # no network: the cache only
+            return list(datasets.load_dataset(HUB_REPO, dataset, split=split)["text"])
     except Exception as err:  # any failure (no package, offline, no cache) gets the same advice
+        where = (f"the Hugging Face hub is offline ({offline}) and no cached copy loaded" if offline
+                 else "the Hugging Face hub failed")
         raise DataUnavailableError(
-            f"could not load {HUB_REPO} / {dataset} (split {split}) from the Hugging Face hub, and "
-            f"task.data_dir is not set: {type(err).__name__}: {err}\n{HOW_TO_FIX}") from err
+            f"could not load {HUB_REPO} / {dataset} (split {split}): {where}, and task.data_dir is not set "
+            f"(nor POSBENCH_WIKITEXT_DIR). {type(err).__name__}: {err}\n{HOW_TO_FIX}") from None
 
 
 def file_sha256(path: Path) -> str:

@@ -39,6 +39,13 @@ def hub_row(line: str) -> str:
     return line if line.strip() else ""
 
 
+@pytest.fixture(autouse=True)
+def no_probe(monkeypatch):
+    """The hub counts as reachable without the connection probe (text_data.hub_offline), so no test
+    here opens a socket; the offline paths are tested in tests/test_bad_input.py."""
+    monkeypatch.setattr(text_data, "hub_offline", lambda: None)
+
+
 @pytest.fixture
 def no_hub(monkeypatch):
     """Any attempt to reach the hub fails the test (nothing here may touch the network)."""
