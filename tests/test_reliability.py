@@ -51,11 +51,12 @@ def test_the_group_leaves_out_only_what_cannot_change_a_result():
                 "published": {"source": "a paper", "metric": "exact_match", "lengths": [1, 2], "results": []},
                 "train": {"lr": 1e-3, "init_from": "/a/b", "resume": "auto", "checkpoint_every": 5,
                           "save_checkpoint": True, "steps": 10},
-                "task": {"data_dir": "/data", "cache_dir": "/cache", "symbols": 10}, "eval": {"chunk": "auto"}}
+                "task": {"data_dir": "/data", "cache_dir": "/cache", "symbols": 10},
+                "eval": {"chunk": "auto", "memory_limit": 4096}}
     group = group_config(resolved)
     assert group == {"device": "cpu", "train": {"lr": 1e-3, "steps": 10}, "task": {"symbols": 10},
                      "eval": {"chunk": "auto"}}
-    assert len(NOT_RESULT_KEYS) == 11
+    assert len(NOT_RESULT_KEYS) == 12
     changed = json.loads(json.dumps(resolved))
     changed["train"]["lr"] = 2e-3
     assert config_hash(group_config(changed)) != config_hash(group)
