@@ -71,6 +71,77 @@ def test_matches_the_algorithm_written_out(causal, npos):
     torch.testing.assert_close(visible_part(got, causal), visible_part(expected, causal), rtol=0, atol=1e-12)
 
 
+def formula_positions(q, k, visible):
+    """p before the clamp: the gates, masked, summed over t >= j."""
+    gates = torch.sigmoid(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]))
+    return (gates if visible is None else gates.masked_fill(~visible, 0.0)).flip(-1).cumsum(-1).flip(-1)
+
+
+def formula_cope(logits, q, k, table, npos, visible):
+    """The formula as it reads, every step left to autograd: the rows at floor and ceil of p carry no
+    gradient, the weight p - floor p does."""
+    p = formula_positions(q, k, visible).clamp(max=npos - 1)
+    z = q @ table.T
+    floor, ceil = p.detach().floor(), p.detach().ceil()
+    weight = p - floor
+    r = z.gather(-1, ceil.long()) * weight + z.gather(-1, floor.long()) * (1 - weight)
+    return logits + r / math.sqrt(q.shape[-1])
+
+
+def block_call(enc, keys, queries, causal, window=None):
+    """The last `queries` of `keys` positions, as the eager backend calls a block of queries."""
+    pos = torch.arange(keys)[None]
+    return AttentionCall(enc, pos[:, keys - queries:], pos, 1, causal, window=window)
+
+
+def block_inputs(queries, keys, seed=2):
+    """logits, q, k and an upstream gradient, float64; head 1's scores run to hundreds: its gates are
+    exactly 0 or 1, and its positions whole numbers."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(2, HEADS, n, HEAD, dtype=torch.float64, generator=gen) for n in (queries, keys))
+    q[:, 1] *= 60
+    logits, upstream = (torch.randn(2, HEADS, queries, keys, dtype=torch.float64, generator=gen) for _ in range(2))
+    return logits, q, k, upstream
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, 4), (False, 5)])
+def test_backward_matches_autograd_of_the_formula(causal, window):
+    """The values and the gradients of the logits, q, k and e, against autograd through the formula, with
+    an upstream gradient on every entry (masked ones too): positions clamped to the last row, masked keys,
+    and whole positions, where the floor/ceil form's rows meet and the weight gets no gradient."""
+    npos, keys, queries = 4, 12, 8
+    enc = cope(npos, causal)
+    logits, q, k, upstream = block_inputs(queries, keys)
+    call = block_call(enc, keys, queries, causal, window)
+    visible = call.visible()
+    p = formula_positions(q, k, visible)
+    shown = torch.ones_like(p, dtype=torch.bool) if visible is None else visible.expand_as(p)
+    assert (p[shown] > npos - 1).any() and (p[shown] < npos - 1).any()  # clamped and not
+    assert ((p == p.round()) & shown & (p > 0) & (p < npos - 1)).any()  # whole positions below the clamp
+    results = []
+    for transform in (lambda *inputs: enc.logit_transform(*inputs, call),
+                      lambda *inputs: formula_cope(*inputs, enc.table[1], npos, visible)):
+        inputs = [t.clone().requires_grad_() for t in (logits, q, k)]
+        enc.table.grad = None
+        out = transform(*inputs)
+        out.backward(upstream)
+        results.append([out.detach(), *(t.grad for t in inputs), enc.table.grad[1].clone()])
+    for name, got, expected in zip(("value", "logits", "q", "k", "e"), *results):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12, msg=name)
+    assert enc.table.grad[0].abs().sum() == 0  # the other layer's rows
+
+
+def test_gradcheck():
+    """Finite differences of the logits, q, k and e on a block with masked keys and clamped positions."""
+    enc = cope(npos=3)
+    logits, q, k, _ = block_inputs(4, 6, seed=3)
+    q[:, 1] /= 60  # no whole positions: finite differences straddle no kink
+    call = block_call(enc, 6, 4, True)
+    inputs = [t.requires_grad_() for t in (logits, q, k)]
+    assert torch.autograd.gradcheck(lambda logits, q, k, table: enc.logit_transform(logits, q, k, call),
+                                    (*inputs, enc.table))
+
+
 def test_matches_x_transformers_cope():
     """x-transformers' CoPE returns r from the masked logits; posbench adds r / sqrt(d)."""
     xt = pytest.importorskip("x_transformers.x_transformers")

@@ -25,9 +25,68 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from posbench.checks import Integer
 from posbench.encodings.base import Encoding, ModelDims
+
+
+class _Positional(torch.autograd.Function):
+    """logits + r / sqrt(d) with a backward written out: autograd of the formula keeps a dozen [B, H, Lq, Lk]
+    tensors and makes twice the passes over them. e comes scaled, e / sqrt(d), so z = q . e[n] / sqrt(d).
+
+    forward: g = sigmoid(q . k / sqrt(d)), 0 where hidden (-inf added); p = min(sum_{t >= j} g_t, rows - 1),
+    f = floor p, w = p - f; r / sqrt(d) = z[f] + w (z[f + 1] - z[f]), the floor/ceil form's value.
+    backward: z[f] gets (1 - w) dr, z[f + 1] gets w dr; dp = dr (z[f + 1] - z[f]), 0 where w = 0 (as in the
+    floor/ceil form, whose two rows meet there, clamped p included); dg_t = sum_{j <= t} dp_j, a plain
+    cumulative sum; ds = dg g (1 - g), 0 where hidden as g = 0 there; q, k and e get the products' gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, q, k, e, hidden, scale):
+        # logits: [B, H, Lq, Lk]; q: [B, H, Lq, d]; k: [B, H, Lk, d]; e: [rows + 1, d] / sqrt(d) in the compute
+        # dtype, its last row never weighs; hidden: -inf where hidden, else 0, over the last keys [Lq, c], or None
+        q, k = q.contiguous(), k.contiguous()  # once for the products here and in backward
+        gates = (q @ k.transpose(-2, -1)).to(e.dtype).mul_(scale)  # [B, H, Lq, Lk]
+        if hidden is not None:
+            gates[..., -hidden.shape[-1]:] += hidden
+        gates.sigmoid_()
+        scratch = gates.flip(-1).cumsum_(-1)  # the sums over t >= j, keys reversed
+        p = scratch.flip(-1)  # [B, H, Lq, Lk]
+        rows = e.shape[0] - 1
+        if rows <= p.shape[-1]:  # else p <= the keys < rows
+            p.clamp_(max=rows - 1)
+        used = int(p[..., 0].max()) + 2  # the rows read: p is largest at the first key
+        z = (q.to(e.dtype) @ e[:used].T).to(e.dtype)  # [B, H, Lq, used], float32 under bf16 autocast too
+        # flat indices of z[f]: index_select and index_add_ take int32, half the bytes of gather's int64
+        kind = torch.int32 if z.numel() < 2 ** 31 else torch.int64
+        starts = torch.arange(0, z.numel(), used, dtype=kind, device=z.device).view(*z.shape[:-1], 1)
+        index = p.to(kind).add_(starts).view(-1)  # floor, p >= 0
+        weight = p.frac_()  # p - floor p
+        flat = z.view(-1)
+        below = torch.index_select(flat, 0, index, out=scratch.view(-1)).view_as(weight)  # z[f]: [B, H, Lq, Lk]
+        slope = flat[1:].index_select(0, index).view_as(weight).sub_(below)  # z[f + 1] - z[f]
+        ctx.save_for_backward(gates, index, weight, slope, q, k, e)
+        ctx.used, ctx.scale = used, scale
+        r = below.addcmul_(weight, slope)  # r / sqrt(d)
+        return r.add_(logits) if r.dtype == logits.dtype else logits + r.to(logits.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        gates, index, weight, slope, q, k, e = ctx.saved_tensors
+        dr = grad.to(gates.dtype)  # d(r / sqrt(d)): [B, H, Lq, Lk]
+        dz = gates.new_zeros(*gates.shape[:-1], ctx.used)  # [B, H, Lq, used]
+        part = dr * weight
+        dz.view(-1)[1:].index_add_(0, index, part.reshape(-1))  # z[f + 1] gets w dr
+        dz.view(-1).index_add_(0, index, torch.sub(dr, part, out=part).reshape(-1))  # z[f] gets (1 - w) dr
+        torch.ceil(weight, out=part).mul_(slope).mul_(dr).cumsum_(-1)  # dp, 0 where w = 0; summed: dg
+        ds = torch.ops.aten.sigmoid_backward.grad_input(part, gates, grad_input=part).to(q.dtype)  # [B, H, Lq, Lk]
+        dq = (ds @ k).mul_(ctx.scale).add_(dz @ e[:ctx.used])  # [B, H, Lq, d]
+        dk = (ds.transpose(-2, -1) @ q).mul_(ctx.scale)  # [B, H, Lk, d]
+        de = torch.zeros_like(e)
+        de[:ctx.used] = dz.flatten(0, -2).T @ q.flatten(0, -2).to(e.dtype)
+        return grad, dq, dk, de, None, None
 
 
 class CoPE(Encoding):
@@ -45,20 +104,16 @@ class CoPE(Encoding):
     def params(self) -> dict:
         return {"npos": self.npos}
 
-    def positions(self, q: torch.Tensor, k: torch.Tensor, call) -> torch.Tensor:
-        """p_ij, clamped to npos - 1: [B, H, Lq, Lk] in float32 at least."""
-        compute = torch.promote_types(q.dtype, torch.float32)
-        gates = torch.sigmoid((q @ k.transpose(-2, -1)).to(compute) * self.logit_scale(q.shape[-1]))  # [B, H, Lq, Lk]
-        visible = call.visible()  # [Lq, Lk] or None
-        if visible is not None:
-            gates = gates.masked_fill(~visible, 0.0)
-        return gates.flip(-1).cumsum(-1).flip(-1).clamp(max=self.npos - 1)  # sum over t >= j: [B, H, Lq, Lk]
-
     def logit_transform(self, logits, q, k, call):
-        p = self.positions(q, k, call)  # [B, H, Lq, Lk]
-        z = q.to(p.dtype) @ self.table[call.layer].to(p.dtype).T  # q_i . e[n]: [B, H, Lq, npos]
-        floor = p.detach().floor()  # the rows carry no gradient; the weight p - floor does
-        below, above = z.gather(-1, floor.long()), z.gather(-1, p.detach().ceil().long())  # [B, H, Lq, Lk] each
-        weight = p - floor
-        r = above * weight + below * (1 - weight)  # [B, H, Lq, Lk]
-        return logits + (r * self.logit_scale(q.shape[-1])).to(logits.dtype)  # (q.k + r) / sqrt(d)
+        compute = torch.promote_types(q.dtype, torch.float32)  # the gates, their sums and r
+        scale = self.logit_scale(q.shape[-1])
+        rows = min(self.npos, k.shape[-2] + 1)  # p <= the keys: the rows past them are never read
+        e = self.table[call.layer, :rows].to(compute) * scale  # [rows, d]
+        e = nn.functional.pad(e, (0, 0, 0, 1))  # a zero row past the last: z[f + 1] where p clamps, weighed 0
+        visible = call.visible()  # [Lq, Lk] or None
+        hidden = None
+        if visible is not None and not visible.all():
+            first = int((~visible).any(0).nonzero()[0])  # the first key hidden from some query
+            hidden = torch.zeros(visible[:, first:].shape, dtype=compute, device=q.device).masked_fill_(
+                ~visible[:, first:], float("-inf"))  # [Lq, Lk - first]
+        return _Positional.apply(logits, q, k, e, hidden, scale)
