@@ -24,12 +24,10 @@ import sys
 from functools import cache
 from pathlib import Path
 
-import yaml
-
 from posbench.headline import (DEFAULT_THRESHOLD, HEADLINE_METRICS, LEARNED_AT_N, SCORES, criterion, learned,
                                lower_is_better, primary_metric, run_headline, spread)
 from posbench.results import (METRIC_LABELS, Skipped, collect, plot_cost, plot_curves, plot_heatmap,
-                              plot_ranking, plot_scaling, read_run_files, skipped_lines, skipped_summary, undecodable)
+                              plot_ranking, plot_scaling, read_run_files, read_yaml, skipped_lines, skipped_summary)
 from posbench import published
 from posbench.rundir import FINAL_STATES, STATUS_FILE, describe
 from posbench.runinfo import flatten, with_added_settings
@@ -50,18 +48,10 @@ def read_config(source: str) -> tuple[dict, Skipped | None]:
     when it could not: the run's steps and lengths then come from its rows."""
     file = Path(source) / "config.yaml"
     try:
-        data = file.read_bytes()
-        config = yaml.safe_load(data.decode())
-    except FileNotFoundError:
+        config, where, reason = read_yaml(file)
+    except (FileNotFoundError, IsADirectoryError):
         return {}, None
-    except OSError as err:
-        where, reason = None, f"unreadable: {err.strerror or err}"
-    except UnicodeDecodeError as err:
-        where, reason = undecodable(data, err)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where, reason = (mark.line + 1 if mark else None), f"not YAML: {getattr(err, 'problem', None) or err}"
-    else:
+    if reason is None:
         problem = config_problem(config)
         if problem is None:
             return config or {}, None

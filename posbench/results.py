@@ -10,6 +10,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from posbench.headline import HEADLINE_METRICS, LEARNED_AT_N
 from posbench.memory import PER_STRETCH_KINDS
 from posbench.metrics import LABELS, PRIMARY_METRICS, ROW_METRICS
@@ -27,22 +29,27 @@ LENGTH_KEYS = ("status", "eval_length", "eval_sequence_length", "ratio", "sample
 SCHEMA = (*RUN_KEYS, *LENGTH_KEYS)
 
 
-def read_lines(path: Path) -> list[dict | bytes]:
-    """Every line of one results.jsonl in order: a row (a JSON object with a run_id), or the line's own
-    bytes where it is not one (torn by a kill, not UTF-8, not JSON, not a row), each of those warned
-    with file:line. Blank lines carry nothing and are left out."""
-    data = Path(path).read_bytes()
-    lines: list[dict | bytes] = []
+def json_lines(data: bytes):
+    """(line number, the line, its JSON value, None) for each line of data that is JSON, (line number,
+    the line, None, why) for each that is not (not UTF-8, not JSON); blank lines are left out."""
     for line_no, line in enumerate(data.split(b"\n"), 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line.decode())
+            yield line_no, line, json.loads(line.decode()), None
         except UnicodeDecodeError as err:
-            reason = undecodable(line, err)[1]
+            yield line_no, line, None, undecodable(line, err)[1]
         except json.JSONDecodeError as err:
-            reason = f"not JSON: {err.msg} (column {err.colno})"
-        else:
+            yield line_no, line, None, f"not JSON: {err.msg} (column {err.colno})"
+
+
+def read_lines(path: Path) -> list[dict | bytes]:
+    """Every line of one results.jsonl in order: a row (a JSON object with a run_id), or the line's own
+    bytes where it is not one (torn by a kill, not UTF-8, not JSON, not a row), each of those warned
+    with file:line. Blank lines carry nothing and are left out."""
+    lines: list[dict | bytes] = []
+    for line_no, line, row, reason in json_lines(Path(path).read_bytes()):
+        if reason is None:
             if isinstance(row, dict) and "run_id" in row:
                 lines.append(row)
                 continue
@@ -147,6 +154,24 @@ def undecodable(data: bytes, err: UnicodeDecodeError) -> tuple[int, str]:
             f"not UTF-8 text (byte 0x{data[err.start]:02x} at column {err.start - line_start + 1})")
 
 
+def read_yaml(file: Path) -> tuple[object, int | None, str | None]:
+    """The YAML document in file, or None with the line and the reason it cannot be read (unreadable,
+    not UTF-8, not YAML). A missing file raises FileNotFoundError (a directory, IsADirectoryError)."""
+    try:
+        data = file.read_bytes()
+    except (FileNotFoundError, IsADirectoryError):
+        raise
+    except OSError as err:
+        return None, None, f"unreadable: {err.strerror or err}"
+    try:
+        return yaml.safe_load(data.decode()), None, None
+    except UnicodeDecodeError as err:
+        return None, *undecodable(data, err)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        return None, (mark.line + 1 if mark else None), f"not YAML: {getattr(err, 'problem', None) or err}"
+
+
 def read_row_file(file: Path) -> tuple[list[dict], list[Skipped]]:
     """The rows of one results.jsonl, each with its source (the run directory), and the lines
     skipped: not UTF-8, not JSON (a torn or truncated line) or not a row (row_problem)."""
@@ -155,22 +180,14 @@ def read_row_file(file: Path) -> tuple[list[dict], list[Skipped]]:
     except OSError as err:
         return [], [Skipped(file, None, f"unreadable: {err.strerror or err}", whole_file=True)]
     rows, skipped = [], []
-    for line_no, line in enumerate(data.split(b"\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line.decode())
-        except UnicodeDecodeError as err:
-            skipped.append(Skipped(file, line_no, undecodable(line, err)[1]))
-            continue
-        except json.JSONDecodeError as err:
-            last = line_no == data.count(b"\n") + 1  # the file ends without a newline after this line
-            torn = " (the file ends mid-line: a truncated last line)" if last else ""
-            skipped.append(Skipped(file, line_no, f"not JSON: {err.msg} (column {err.colno}){torn}"))
-            continue
-        problem = row_problem(row)
-        if problem:
-            skipped.append(Skipped(file, line_no, problem))
+    last = data.count(b"\n") + 1  # a last line without a newline after it
+    for line_no, _, row, reason in json_lines(data):
+        if reason is None:
+            reason = row_problem(row)
+        elif line_no == last and reason.startswith("not JSON"):
+            reason += " (the file ends mid-line: a truncated last line)"
+        if reason:
+            skipped.append(Skipped(file, line_no, reason))
             continue
         rows.append(row | {"source": str(file.parent)})
     return rows, skipped

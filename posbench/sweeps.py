@@ -7,9 +7,7 @@ import statistics
 import time
 from pathlib import Path
 
-import yaml
-
-from posbench.results import Skipped, undecodable
+from posbench.results import Skipped, read_yaml
 from posbench.rundir import FINAL_STATES
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -49,18 +47,10 @@ def read_multirun(sweep: Path) -> tuple[dict | None, Skipped | None]:
     unreadable, not UTF-8, not YAML, not a mapping, or a hydra: section that is not one."""
     file = Path(sweep) / SWEEP_FILE
     try:
-        data = file.read_bytes()
-        multirun = yaml.safe_load(data.decode())
+        multirun, where, reason = read_yaml(file)
     except (FileNotFoundError, IsADirectoryError):
         return None, None
-    except OSError as err:
-        where, reason = None, f"unreadable: {err.strerror or err}"
-    except UnicodeDecodeError as err:
-        where, reason = undecodable(data, err)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where, reason = (mark.line + 1 if mark else None), f"not YAML: {getattr(err, 'problem', None) or err}"
-    else:
+    if reason is None:
         multirun = multirun or {}
         hydra = multirun.get("hydra") if isinstance(multirun, dict) else None
         if isinstance(multirun, dict) and (hydra is None or isinstance(hydra, dict)):
