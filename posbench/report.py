@@ -212,7 +212,7 @@ def run_table(frame, metrics: dict[str, str], threshold: float):
     import pandas as pd
 
     grid = frame.groupby("group")["eval_length"].agg(lambda s: sorted({int(n) for n in s}))
-    run_statuses = frame.attrs.get("statuses", {})  # run directory -> its status.json
+    run_statuses = frame.attrs.get("input", {}).get("statuses", {})  # run directory -> its status.json
     records = []
     for run_id, part in frame.groupby("run_id", sort=False):
         rows = part.sort_values("eval_length").to_dict("records")
@@ -507,7 +507,7 @@ def runs_without_rows(frame) -> list[dict]:
     """Run directories with a status record and no rows (stopped or failed before their first length)."""
     with_rows = set(frame["source"])
     return [{"run": status.get("run_name") or Path(source).name, "status": describe(status), "directory": source}
-            for source, status in frame.attrs.get("statuses", {}).items() if source not in with_rows]
+            for source, status in frame.attrs.get("input", {}).get("statuses", {}).items() if source not in with_rows]
 
 
 def orderings_blocks(orderings) -> list:
@@ -729,7 +729,7 @@ def write_report(paths, out=None, metric: str | None = None, threshold: float = 
         raise ValueError(f"--metric {metric}: no row measures it; these rows measure {present}")
     out = Path(out or paths[0])
     out.mkdir(parents=True, exist_ok=True)
-    skipped = frame.attrs["skipped"] + unreadable_configs(frame["source"])
+    skipped = frame.attrs["input"]["skipped"] + unreadable_configs(frame["source"])
     for line in skipped_lines(skipped):
         print(f"warning: skipped {line}", file=sys.stderr)
     frame = add_groups(frame).sort_values(["task", "label", "seed", "eval_length"]).reset_index(drop=True)

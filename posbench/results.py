@@ -259,11 +259,19 @@ def skipped_lines(skipped: list[Skipped], per_file: int = 5) -> list[str]:
     return lines
 
 
+class SharedRecord(dict):
+    """A record that rides in frame.attrs without being copied: pandas deep-copies attrs on every
+    slice and groupby, and a sweep's statuses copied that way made the report minutes slower."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 def collect(paths):
     """Every usable row under the given run/sweep directories (or results.jsonl files) -> DataFrame.
 
-    frame.attrs["skipped"] lists the input left out (read_run_files); frame.attrs["statuses"]
-    maps every run directory found with a readable status.json to its record, rows or not."""
+    frame.attrs["input"]["skipped"] lists the input left out (read_run_files); ["statuses"] maps
+    every run directory found with a readable status.json to its record, rows or not."""
     import pandas as pd
 
     rows, statuses, skipped = read_run_files(paths)
@@ -281,8 +289,7 @@ def collect(paths):
     frame.loc[~frame["mem_kind"].isin(PER_STRETCH_KINDS), "peak_mem_mb"] = None
     for key in OBJECT_KEYS:
         frame[key] = frame[key].map(lambda v: json.dumps(v, sort_keys=True) if isinstance(v, dict) else v)
-    frame.attrs["skipped"] = skipped
-    frame.attrs["statuses"] = statuses
+    frame.attrs["input"] = SharedRecord(skipped=skipped, statuses=statuses)
     return frame
 
 

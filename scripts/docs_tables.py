@@ -51,9 +51,6 @@ def study(*dirs: str, metric: str | None = None) -> Study:
     """The report's tables for these directories under results/reference/, as
     `python -m posbench.report DIR... [--metric M]` computes them (nothing is written)."""
     frame = collect([REFERENCE / d for d in dirs])
-    # the statuses and skipped input ride in frame.attrs, which pandas deep-copies on every slice;
-    # every committed run is finished, and the scores do not read them
-    frame.attrs = {}
     frame = report.add_groups(frame).sort_values(["task", "label", "seed", "eval_length"]).reset_index(drop=True)
     metrics = report.task_metrics(frame, metric)
     runs = report.run_table(frame, metrics, DEFAULT_THRESHOLD)
