@@ -4,6 +4,7 @@ models built as the runner builds them."""
 import json
 import math
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -201,3 +202,24 @@ def drawn_model(name: str, causal: bool = True, dtype=torch.float64, seed: int =
 def token_ids(length: int = 20, batch: int = 2, seed: int = 3) -> torch.Tensor:
     return torch.randint(0, 11, (batch, length), generator=torch.Generator().manual_seed(seed))
 
+
+def wandb_records(path: Path):
+    """The records of a .wandb file. wandb (0.31) writes no files/wandb-summary.json in offline
+    mode; the .wandb file is its log: a 7-byte header, then LevelDB-log chunks (crc32, length,
+    type) in 32 KiB blocks, each record a wandb_internal_pb2.Record."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, pos, pending = path.read_bytes(), 32768, 7, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record

@@ -11,8 +11,7 @@ import yaml
 from posbench import dashboard
 from posbench.dashboard import build_dashboard, local_sweep, main
 from posbench.loggers import EVAL_LENGTH, TRAIN_STEP, TRAIN_TOKENS_PER_S, eval_key, headline_key, train_key
-from tests.helpers import posbench, write_wikitext_release
-from tests.test_report import wandb_records
+from tests.helpers import posbench, wandb_records, write_wikitext_release
 
 
 @pytest.fixture(scope="module")

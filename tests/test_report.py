@@ -2,7 +2,6 @@
 a diverged and a partial run among them) against hand-computed numbers; wandb summary keys."""
 import json
 import math
-import struct
 from pathlib import Path
 
 import pandas as pd
@@ -12,7 +11,7 @@ from posbench.headline import lower_is_better, primary_metric, run_headline, spr
 from posbench.report import main as report_main
 from posbench.report import write_report
 from posbench.results import SCHEMA, RowWriter
-from tests.helpers import posbench, read_rows
+from tests.helpers import posbench, read_rows, wandb_records
 
 N = 4
 LENGTHS = (2, 4, 6, 8)
@@ -313,28 +312,6 @@ def test_bad_arguments_name_the_choices(tmp_path, capsys):
 
 
 # ---- wandb: the summary of an offline run ------------------------------------------------------
-
-def wandb_records(path: Path):
-    """The records of a .wandb file. wandb (0.31) writes no files/wandb-summary.json in offline
-    mode; the .wandb file is its log: a 7-byte header, then LevelDB-log chunks (crc32, length,
-    type) in 32 KiB blocks, each record a wandb_internal_pb2.Record."""
-    from wandb.proto import wandb_internal_pb2
-
-    data, block, pos, pending = path.read_bytes(), 32768, 7, b""
-    assert data[:4] == b":W&B"
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # block trailer
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        pending += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # a full record, or the last chunk of one
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            pending = b""
-            yield record
-
 
 def test_wandb_offline_sweep_run_has_group_tags_and_headline_summary(tmp_path):
     sweep = tmp_path / "sweep"
