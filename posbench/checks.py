@@ -115,7 +115,7 @@ class Flag:
         if value is None and self.null:
             return None
         if not isinstance(value, bool):
-            refuse(key, value, "true or false" + (f", or null ({self.null})" if self.null else ""), owner)
+            refuse(key, value, self.text(), owner)
         return value
 
 

@@ -45,6 +45,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from posbench.attention.layer import AUTO_CHUNK_ELEMENTS, DECAY_CHUNK, MIN_AUTO_CHUNK
 from posbench.attention.select import BACKENDS
 from posbench.hooks import needs_logits
+from posbench.validate import eval_chunk
 
 MIB = 2**20
 FLOAT = 4  # bytes of a float32 (bf16 autocast allocates less; the bound stays fp32's)
@@ -92,17 +93,6 @@ class Estimate:
         return f"about {gib(self.total)} ({parts})"
 
 
-def _model_cfg(built):
-    return built.model.cfg
-
-
-def _chunk_setting(cfg_eval) -> int | str | None:
-    setting = cfg_eval.get("chunk", "auto")
-    if setting is None or setting == "auto":
-        return setting
-    return int(setting)
-
-
 def _contiguous_positions(built) -> bool:
     """A relative bias is taken from per-offset rows (posbench.attention.context.offset_rows) only over
     contiguous positions shared by the batch: sequential or offset ids, 1-D or a grid's raster index."""
@@ -115,7 +105,7 @@ def _contiguous_positions(built) -> bool:
 def attention_bytes(built, cfg, batch: int, tokens: int, keys: int, window: int | None,
                     chunk_setting) -> tuple[float, int | None]:
     """One layer's attention in evaluation: bytes at its largest chunk, and the chunk (None: one call)."""
-    mcfg = _model_cfg(built)
+    mcfg = built.model.cfg
     heads, head_dim = mcfg.n_heads, mcfg.d_model // mcfg.n_heads
     encoding = built.encoding
     hooks = set(encoding.hooks)
@@ -172,12 +162,12 @@ def estimate(cfg: DictConfig, built, length: int, batch: int | None = None, chun
     task length `length` allocates beyond the built model, in bytes by part (see the module's docstring).
     The forward's peak is the largest of three phases, not their sum: attention (the layer's [B, T, D]
     tensors and its chunk), the feed-forward, the head with the metrics."""
-    mcfg = _model_cfg(built)
+    mcfg = built.model.cfg
     task = built.task
     if batch is None:
         batch = min(int(cfg.eval.batch_size), int(cfg.eval.samples))
     if chunk_setting == "unset":
-        chunk_setting = _chunk_setting(cfg.eval)
+        chunk_setting = eval_chunk(cfg.eval.chunk)
     tokens = int(task.sequence_length(length))
     keys = tokens + int(getattr(task, "memory", 0) or 0)
     d_model, vocab = mcfg.d_model, task.vocab_size
@@ -337,9 +327,10 @@ def shape(task, length: int, tokens: int) -> str:
     return f"{tokens:,} tokens"
 
 
-def check(cfg: DictConfig, built, device: torch.device | str = "cpu") -> GuardResult:
-    """Every evaluation length against the limit: the batch size each gets, or a ValueError naming every
-    length that cannot fit even one sequence at a time."""
+def check_run(cfg: DictConfig, built, device: torch.device | str = "cpu") -> GuardResult:
+    """The runner's call after build, before the evaluation data is drawn and before training: every
+    evaluation length against the limit, the batch size each gets and the messages to print, or a
+    ValueError naming every length that cannot fit even one sequence at a time."""
     limit = memory_limit(cfg, device)
     batch = min(int(cfg.eval.batch_size), int(cfg.eval.samples))
     result = GuardResult({length: batch for length in built.lengths}, limit=limit)
@@ -360,7 +351,7 @@ def check(cfg: DictConfig, built, device: torch.device | str = "cpu") -> GuardRe
                 f"eval.batch_size={cfg.eval.batch_size}")
             continue
         hint = ""
-        chunk = _chunk_setting(cfg.eval)
+        chunk = eval_chunk(cfg.eval.chunk)
         if chunk != "auto":
             auto = estimate(cfg, built, length, 1, "auto")
             if auto.total <= limit.bytes:
@@ -382,12 +373,6 @@ def check(cfg: DictConfig, built, device: torch.device | str = "cpu") -> GuardRe
             + f"\nleave {'them' if several else 'it'} out of {key}, or raise {SETTING} (MiB) if more memory is there "
               "(refused before training: nothing ran)")
     return result
-
-
-def check_run(cfg: DictConfig, built, device: torch.device | str = "cpu") -> GuardResult:
-    """The runner's call after build, before the evaluation data is drawn and before training: the
-    GuardResult (batch sizes, messages to print), or a ValueError naming the lengths that cannot fit."""
-    return check(cfg, built, device)
 
 
 # --- allocation errors -----------------------------------------------------------------------------
@@ -437,7 +422,3 @@ def translate_oom(length: int | None = None, batch: int | None = None, what: str
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         raise OutOfMemory(oom_message(err, length, batch, what, settings), err) from None
-
-
-__all__ = ["Estimate", "GuardResult", "Limit", "OutOfMemory", "check", "check_run", "estimate", "is_oom",
-           "memory_limit", "oom_message", "translate_oom"]
