@@ -33,8 +33,8 @@ from pathlib import Path
 
 import yaml
 
-from posbench.headline import (DEFAULT_THRESHOLD, HIGHER_IS_BETTER, LEARNED_AT_N, LOWER_IS_BETTER, criterion,
-                               primary_metric, value)
+from posbench.headline import (DEFAULT_THRESHOLD, HIGHER_IS_BETTER, LEARNED_AT_N, LEARNED_SLACK, LOWER_IS_BETTER,
+                               criterion, primary_metric, value)
 from posbench.loggers import (EVAL_KEYS, EVAL_LENGTH, STATUS, TRAIN_STEP, TRAIN_TOKENS_PER_S, eval_key,
                               headline_key, run_group, sweep_group_name, train_key)
 from posbench.results import METRIC_LABELS, ROW_FILE, read_rows
@@ -48,7 +48,6 @@ TABLE_SUMMARY = ("id_score", "ood_score", "extrapolation_ratio", "complete")  # 
 CURVE_METRICS = ("token_acc", "loss")  # drawn for every task beside its headline metric
 COST_LABELS = {"eval_tokens_per_s": "evaluation tokens / s", "peak_mem_mb": "peak memory, MiB"}
 RUN_ATTRIBUTES = {"group": "Group"}  # a Condition's run keys -> wandb_workspaces' names
-LEARNED_SLACK = 1e-9  # posbench.headline.learned's tolerance at the bar
 MIN_RUNS_SHOWN = 100  # wandb draws 10 runs per panel unless told more
 
 
