@@ -97,8 +97,11 @@ def test_the_default_model_is_the_one_before_these_settings():
     assert logits.double().sum().item() == pytest.approx(3.4559660692, abs=1e-4)
 
 
+GENERAL_TRAINING = ("train.steps=10000", "train.lr=1e-3", "train.min_lr_ratio=0.1")  # before task_train/copy.yaml
+
+
 def test_added_settings_at_their_earlier_values_keep_the_config_hash():
-    resolved = OmegaConf.to_container(compose_cfg(), resolve=True)
+    resolved = OmegaConf.to_container(compose_cfg(*GENERAL_TRAINING), resolve=True)
     assert {key: OmegaConf.select(OmegaConf.create(resolved), key) for key in ADDED_SETTINGS} == ADDED_SETTINGS
     before = copy.deepcopy(resolved)  # the config as written before the settings existed
     for key in ADDED_SETTINGS:
@@ -107,6 +110,8 @@ def test_added_settings_at_their_earlier_values_keep_the_config_hash():
     assert config_hash(group_config(resolved)) == config_hash(group_config(before))
     # the default run's hash as the code before these settings computed it (commit 378a2e7)
     assert config_hash(group_config(resolved)) == "5e807f9dc682"
+    # copy's own training defaults (2,500 steps, lr 3e-3 to 1%) made the default job another group
+    assert config_hash(group_config(OmegaConf.to_container(compose_cfg(), resolve=True))) == "517a32f251c8"
     for key, other in (("model.activation", "relu"), ("model.norm", "rmsnorm"), ("model.bias", False),
                        ("model.norm_position", "post"), ("model.embed_scale", True), ("train.schedule", "linear"),
                        ("encoding.rotary_fraction", 0.25), ("task.eos", True)):

@@ -201,7 +201,8 @@ def test_the_config_composes_with_eos(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_config_hash_unchanged_by_the_default_and_changed_by_eos(name):
-    resolved = OmegaConf.to_container(compose_cfg(f"task={name}"), resolve=True)
+    general_training = ("train.steps=10000", "train.lr=1e-3", "train.min_lr_ratio=0.1")  # before task_train/copy.yaml
+    resolved = OmegaConf.to_container(compose_cfg(f"task={name}", *general_training), resolve=True)
     before = copy.deepcopy(resolved)  # as written before task.eos existed
     del before["task"]["eos"]
     assert config_hash(group_config(resolved)) == config_hash(group_config(before))
