@@ -1,0 +1,54 @@
+"""experiment=frontier expands to the study the README reports: its methods, tasks and seeds, each job
+composing to the intended encoding and task and passing the settings check."""
+import pytest
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from posbench.validate import check_config
+from tests.helpers import multirun_config, options
+from tests.test_launchers import sweep_values
+
+METHODS = {  # option: (encoding target, the encoding settings the option sets)
+    "nope": ("nope.NoPE", {}), "rope": ("rope.RoPE", {"frequency_fraction": 1.0}),
+    "alibi": ("alibi.ALiBi", {}), "fire": ("fire.FIRE", {}), "t5": ("t5.T5", {}),
+    "fox": ("fox.FoX", {"rope": False}), "stick_breaking": ("stick_breaking.StickBreaking", {"remainder": "value"}),
+    "cope": ("cope.CoPE", {"npos": None}), "dape": ("dape.DAPE", {"version": 1, "base": "kerple"}),
+    "ssmax": ("composite.Composite", {"parts": ["rope", "ssmax"]}), "path": ("path.PaTH", {}),
+    "p_rope": ("rope.RoPE", {"frequency_fraction": 0.75}),
+    "rnope": ("schedule.Schedule", {"pattern": ["rope", "rope", "nope"]}),
+}
+TASKS = {  # option: (task target, N, task settings, the longest evaluated length)
+    "copy": ("copy.Copy", 16, {"variant": "cmc", "eos": True}, 64),
+    "flip_flop_sparse": ("frontier.FlipFlop", 32, {"p_ignore": 0.8, "eval_p_ignore": 0.98}, 128),
+    "counting": ("frontier.Counting", 64, {}, 256),
+    "state_tracking": ("frontier.StateTracking", 16, {"group": "s5"}, 64),
+    "mqar": ("retrieval.MQAR", 16, {"keys": 64}, 64),
+    "wikitext": ("wikitext.WikiText", 64, {"tokenizer": "byte"}, 512),
+}
+UNSWEPT_TASKS = {"flip_flop_dense", "selective_copy"}  # options of the group, cut from the sweep for the budget
+
+
+def test_the_sweep_takes_every_method_six_tasks_and_three_seeds_seeds_outermost():
+    params = multirun_config("experiment=frontier").hydra.sweeper.params
+    assert sweep_values(params, "frontier_method") == sorted(METHODS) == options("frontier_method")
+    assert sweep_values(params, "frontier_task") == sorted(TASKS)
+    assert set(options("frontier_task")) == set(TASKS) | UNSWEPT_TASKS
+    overrides = OverridesParser.create().parse_overrides([f"{key}={value}" for key, value in params.items()
+                                                          if key != "frontier_method"])
+    (jobs,) = BasicSweeper.split_arguments(overrides, None)
+    assert len(jobs) == 3 * len(TASKS)
+    assert [job[0] for job in jobs[::len(TASKS)]] == ["seed=0", "seed=1", "seed=2"]
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_every_job_of_a_task_composes_to_its_method_and_passes_the_checks(task, monkeypatch, tmp_path):
+    monkeypatch.setenv("POSBENCH_WIKITEXT_DIR", str(tmp_path))  # composing only: no data is read
+    target, length, task_settings, longest = TASKS[task]
+    for method, (encoding_target, encoding_settings) in METHODS.items():
+        cfg = multirun_config("experiment=frontier", f"frontier_task={task}", f"frontier_method={method}")
+        assert cfg.task._target_ == f"tasks.{target}" and cfg.encoding._target_ == f"posbench.encodings.{encoding_target}"
+        assert {key: cfg.task[key] for key in task_settings} == task_settings
+        assert {key: cfg.encoding[key] for key in encoding_settings} == encoding_settings
+        assert (cfg.model.d_model, cfg.model.n_layers, cfg.threads, cfg.train.length) == (64, 3, 1, length)
+        assert max(cfg.eval.ratios) * length == longest
+        check_config(cfg)
