@@ -6,6 +6,7 @@ import time
 import torch
 from omegaconf import DictConfig
 
+from posbench import distributed
 from posbench.build import Built, autocast, sync
 from posbench.memory import PeakMemory, return_large_blocks
 from posbench.metrics import ROW_METRICS
@@ -19,7 +20,9 @@ UNMEASURED = {**dict.fromkeys(ROW_METRICS), "eval_tokens_per_s": None, "peak_mem
 @torch.no_grad()
 def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.device, precision: str = "fp32",
              stop: StopSignals | None = None) -> dict:
-    """Metrics over cfg_eval.samples fresh sequences at one length, and tokens/s past the first batch."""
+    """Metrics over cfg_eval.samples fresh sequences at one length, and tokens/s past the first batch.
+    Data-parallel: every rank draws every batch and evaluates its own rows of it; the sums, tokens and
+    seconds of the ranks are combined, so the metrics are the one-process metrics."""
     model, task = built.model, built.task
     model.eval()
     model.set_eval_chunk(eval_chunk(cfg_eval.chunk))
@@ -29,22 +32,28 @@ def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.devi
     memory.start()
     gen = torch.Generator(device).manual_seed(int(cfg_eval.seed) + length)
     totals: dict[str, float] = {}
-    timed_tokens, timed_seconds, first, held = 0, 0.0, None, None
+    timed_tokens, timed_seconds, first, held, drawn = 0, 0.0, None, None, False
     batches = task.eval_batches(length, int(cfg_eval.samples), int(cfg_eval.batch_size), gen)
+    vote = distributed.StopVote(stop)
     while True:
-        if stop is not None:
-            stop.check()
+        vote.check()
         sync(device)
         start = time.perf_counter()
         batch = next(batches, None)
         if batch is None:
             break
+        drawn = True
+        # drawn for the whole batch, on every rank alike; segment recurrence draws none
+        positions = None if batch.memory_length else built.positions.for_batch(batch, gen)  # [1, T] or [1, T, 2]
+        batch = distributed.shard(batch)
+        if not batch.inputs.shape[0]:  # fewer rows than ranks: this rank has none of them
+            continue
         with autocast(device, precision):
             if batch.memory_length:  # segment recurrence (wikitext task.memory)
                 logits, held = model.forward_recurrent(batch.inputs, None if batch.new_stream else held,
                                                        batch.memory_length)  # [B, T, V]
             else:
-                logits = model(batch.inputs, built.positions.for_batch(batch, gen))  # [B, T, V]
+                logits = model(batch.inputs, positions)  # [B, T, V]
         sums = task.batch_sums(logits.float(), batch)
         sync(device)
         if first is None:  # the first batch is warm-up; kept only if it is the only one
@@ -54,9 +63,24 @@ def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.devi
             timed_seconds += time.perf_counter() - start
         for key, value in sums.items():
             totals[key] = totals.get(key, 0.0) + float(value)
-    if first is None:
+    vote.finish()
+    if not drawn:
         raise ValueError(f"{task.name}: no evaluation batches at length {length}")
-    if not timed_seconds:
+    if not timed_seconds and first is not None:
         timed_tokens, timed_seconds = first
+    ranks = distributed.gather((totals, timed_tokens, timed_seconds, memory.peak()))
+    totals = sum_by_key([part[0] for part in ranks])
+    timed_tokens = sum(part[1] for part in ranks)
+    timed_seconds = max(part[2] for part in ranks)  # the ranks ran side by side
+    peaks = [part[3] for part in ranks if part[3] is not None]
     return {**task.finalize(totals), "eval_tokens_per_s": timed_tokens / timed_seconds,
-            "peak_mem_mb": memory.peak(), "mem_kind": memory.kind}
+            "peak_mem_mb": max(peaks) if peaks else None, "mem_kind": memory.kind}
+
+
+def sum_by_key(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The ranks' metric sums added key by key (a rank that evaluated no recurrent segment lacks their keys)."""
+    totals = dict(parts[0])
+    for part in parts[1:]:
+        for key, value in part.items():
+            totals[key] = totals.get(key, 0.0) + value
+    return totals

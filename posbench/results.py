@@ -72,10 +72,16 @@ class RowWriter:
 
     `keep` selects the rows already there that stay (a resumed run keeps its measured lengths).
     A line that is not a row is never dropped: it is warned with file:line and written back as it
-    was, in its place, so no rewrite loses a line the run cannot read (it may hold a measured row)."""
+    was, in its place, so no rewrite loses a line the run cannot read (it may hold a measured row).
+    `writes=False` neither reads nor writes the file, only holds the rows it is given (the ranks > 0
+    of a data-parallel run: rank 0 writes it)."""
 
-    def __init__(self, run_dir: str | Path, keep=None):
+    def __init__(self, run_dir: str | Path, keep=None, writes: bool = True):
         self.path = Path(run_dir) / ROW_FILE
+        self.writes = writes
+        if not writes:
+            self.lines = []
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         lines = read_lines(self.path) if self.path.exists() else []
         self.lines = [line for line in lines if not isinstance(line, dict) or keep is None or keep(line)]
@@ -89,8 +95,10 @@ class RowWriter:
         if missing:
             raise KeyError(f"result row lacks {sorted(missing)}")
         self.lines.append(row)
-        atomic_write(self.path, b"".join(line + b"\n" if isinstance(line, bytes)
-                                         else (json.dumps(line, default=str) + "\n").encode() for line in self.lines))
+        if self.writes:
+            atomic_write(self.path, b"".join(line + b"\n" if isinstance(line, bytes)
+                                             else (json.dumps(line, default=str) + "\n").encode()
+                                             for line in self.lines))
 
 
 def find_run_files(paths) -> tuple[list[Path], list[Path]]:

@@ -145,20 +145,25 @@ def describe(status: dict | None) -> str:
 
 
 class Status:
-    """The run's status.json, rewritten atomically on every update."""
+    """The run's status.json, rewritten atomically on every update; `writes=False` keeps the record
+    without the file (the ranks > 0 of a data-parallel run: rank 0 writes it)."""
 
-    def __init__(self, run_dir: Path, **identity):
+    def __init__(self, run_dir: Path, writes: bool = True, **identity):
         self.path = Path(run_dir) / STATUS_FILE
+        self.writes = writes
         self.record = {"state": "running", "phase": "build", **identity, "pid": os.getpid(),
                        "host": socket.gethostname(), "started": now()}
 
     def update(self, **fields) -> None:
         self.record |= fields | {"updated": now()}
-        atomic_write(self.path, self.text())
+        if self.writes:
+            atomic_write(self.path, self.text())
 
     def fail(self, error: str) -> None:
         """Records `failed` with the error, in place when the disk is too full for a new file."""
         self.record |= {"state": "failed", "error": error[:1000], "updated": now()}
+        if not self.writes:
+            return
         try:
             atomic_write(self.path, self.text())
         except OSError:

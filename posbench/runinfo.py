@@ -99,6 +99,7 @@ class RunInfo:
     positions: str
     max_position: int | None
     device: str
+    world_size: int  # processes that trained and evaluated it (torchrun's; 1 for one process), not in the group
     torch: str
     git_commit: str
     init_from: str | None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import time
 import uuid
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -19,10 +20,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from posbench import distributed
 from posbench.build import Built, build_checked, git_commit, resolve_device
 from posbench.evaluation import UNMEASURED, evaluate
 from posbench.guard import translate_oom
-from posbench.loggers import build_logger
+from posbench.loggers import NullLogger, build_logger
 from posbench.metrics import TABLE_METRICS
 from posbench.results import ROW_FILE, RowWriter, plot_run
 from posbench.rundir import (
@@ -82,59 +84,85 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
     same run directory continues an unfinished run: training from its last checkpoint,
     evaluation at the first length without a row. A command refused before it starts (the
     directory busy or holding another run, or a setting refused while resuming) leaves the
-    directory's files as they were; any later error is recorded as `failed` with the error."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    directory's files as they were; any later error is recorded as `failed` with the error.
+
+    Data-parallel (torchrun: posbench.distributed), rank 0 is that one process: it holds the lock,
+    claims the directory and writes every file, while the other ranks train and evaluate beside it
+    and write nothing there. A refusal on any rank is raised on every rank before training."""
+    distributed.start(cfg.device)
+    run_dir = shared_run_dir(Path(run_dir))
+    main = distributed.is_main()
     resolved = OmegaConf.to_container(cfg, resolve=True)
     identity = run_identity(resolved)
-    with RunLock(run_dir) as lock:
-        if lock.stale:
-            print(f"taking over {lock.path} from process {lock.stale.get('pid')} on {lock.stale.get('host')} "
-                  f"(started {lock.stale.get('started')}): that process is gone")
-        previous = claim(run_dir, identity, cfg.train.get("resume", "auto"))
+    with ExitStack() as held:
+        def claim_directory() -> tuple[dict | None, str]:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            lock = held.enter_context(RunLock(run_dir))
+            if lock.stale:
+                print(f"taking over {lock.path} from process {lock.stale.get('pid')} on {lock.stale.get('host')} "
+                      f"(started {lock.stale.get('started')}): that process is gone")
+            previous = claim(run_dir, identity, cfg.train.get("resume", "auto"))
+            return previous, previous["run_id"] if previous else uuid.uuid4().hex[:12]
+
+        previous, run_id = distributed.from_main(claim_directory)
         if previous is not None:
             if previous.get("state") in FINAL_STATES:
-                print(f"{run_dir} holds this run, finished ({previous['state']}): nothing to do")
+                if main:
+                    print(f"{run_dir} holds this run, finished ({previous['state']}): nothing to do")
                 return RowWriter(run_dir).rows
-            print(f"resuming the run in {run_dir}: {describe(previous)}")
-        run_id = previous["run_id"] if previous else uuid.uuid4().hex[:12]
-        status = Status(run_dir, run_id=run_id, identity=identity,
+            if main:
+                print(f"resuming the run in {run_dir}: {describe(previous)}")
+        status = Status(run_dir, writes=main, run_id=run_id, identity=identity,
                         resumed=previous.get("resumed", 0) + 1 if previous else 0)
         try:
-            device, built = prepare(cfg)
+            device, built = distributed.agreed(lambda: prepare(cfg))
         except Exception as err:
             if previous is None:  # a fresh directory: the refusal is its record (the report lists it)
                 status.fail(error_text(err))
             raise
-        for message in built.guard.messages:
-            print(f"memory: {message}", file=sys.stderr)
-        if built.untrained:
-            print("warning: train.steps=0 without train.init_from evaluates a freshly initialised model; its rows "
-                  "carry untrained=true", file=sys.stderr)
+        built.guard.batch_sizes = distributed.smallest(built.guard.batch_sizes)  # one batching on every rank
+        if main:
+            for message in built.guard.messages:
+                print(f"memory: {message}", file=sys.stderr)
+            if built.untrained:
+                print("warning: train.steps=0 without train.init_from evaluates a freshly initialised model; its "
+                      "rows carry untrained=true", file=sys.stderr)
         stop = StopSignals()
         with stop.active():
             try:
                 rows = run_built(cfg, built, device, run_dir, resolved, status, stop)
             except StopRequest as request:
                 status.update(state="killed", signal=request.args[0])
-                print(f"\nstopped: {describe(status.record)}; the same command resumes it")
+                if main:
+                    print(f"\nstopped: {describe(status.record)}; the same command resumes it")
             except Exception as err:  # a full disk, a figure, the logger: failed, with the error
                 status.fail(error_text(err))
                 raise
-    if stop.signum is not None:  # stopped, or complete when it came after the last safe point: the signal
-        stop.forward(stop.signum)  # is handed on with the lock released (submitit may requeue the job at once)
+    signum = distributed.any_signal(stop.signum)  # data-parallel: every rank, once rank 0 let the directory go
+    if signum is not None:  # stopped, or complete when it came after the last safe point: the signal
+        stop.forward(signum)  # is handed on with the lock released (submitit may requeue the job at once)
     return rows
+
+
+def shared_run_dir(run_dir: Path) -> Path:
+    """Rank 0's run directory on every rank. Hydra names it by the time (${now:...}) in each process,
+    and a rank may read the clock a second after rank 0: the empty directory Hydra made it goes."""
+    chosen = Path(distributed.broadcast(str(run_dir)))
+    if chosen != run_dir and run_dir.is_dir() and not any(run_dir.iterdir()):
+        run_dir.rmdir()
+    return chosen
 
 
 def prepare(cfg: DictConfig) -> tuple[torch.device, Built]:
     """The process set up (threads, denormals) and the run built; writes nothing."""
     check_config(cfg)  # threads and device are applied before build: refuse bad ones first
+    distributed.check_batch_size(cfg.train.batch_size)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     # CPU: probabilities below 1e-38 (logits ~90 under the row's top, as alibi's far keys) read as 0;
     # kept denormal, they slowed the fused attention backward 2x (alibi, fox) and weighed nothing
     torch.set_flush_denormal(True)
-    device = resolve_device(cfg.device)
+    device = distributed.local_device(resolve_device(cfg.device))
     return device, build_checked(cfg, device)
 
 
@@ -166,19 +194,26 @@ def write_failed_rows(writer: RowWriter, rows: list[dict]) -> None:
 
 def run_built(cfg: DictConfig, built: Built, device: torch.device, run_dir: Path, resolved: dict, status: Status,
               stop: StopSignals) -> list[dict]:
+    main = distributed.is_main()  # the one process that writes run_dir
     info = run_info(cfg, built, device, status.record["run_id"], resolved)
-    writer = RowWriter(run_dir, keep=lambda row: row.get("run_id") == info.run_id and row.get("status") == "ok")
+    writer = RowWriter(run_dir, keep=lambda row: row.get("run_id") == info.run_id and row.get("status") == "ok",
+                       writes=main)
     status.update(config_hash=info.config_hash, run_name=info.run_name, steps=int(cfg.train.steps),
                   lengths=built.lengths, lengths_done=[r["eval_length"] for r in writer.rows])
-    write_hydra_record(cfg, run_dir)
-    atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    if main:
+        write_hydra_record(cfg, run_dir)
+        atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     checkpointer = Checkpointer(run_dir, resolved, built.init_steps)
-    saved = load_checkpoint(checkpointer.path, device) if checkpointer.path.exists() else None
+    resumable = distributed.broadcast(checkpointer.path.exists())  # every rank loads what rank 0 resumes from
+    saved = distributed.agreed(lambda: load_checkpoint(checkpointer.path, device)) if resumable else None
     if saved is not None and run_identity(saved["config"]) != status.record["identity"]:
         raise ValueError(f"{checkpointer.path} belongs to another run; remove it or choose another hydra.run.dir")
-    logger = build_logger(cfg.logger, info.flat_config(resolved), info.run_name, run_dir, info.run_id)
-    print(f"{info.run_name}: {info.n_params:,} parameters on {device}; evaluating lengths {built.lengths}; "
-          f"writing {run_dir}")
+    logger = distributed.agreed(lambda: build_logger(cfg.logger, info.flat_config(resolved), info.run_name, run_dir,
+                                                     info.run_id) if main else NullLogger())
+    if main:
+        print(f"{info.run_name}: {info.n_params:,} parameters on {device}"
+              + (f" x {info.world_size} processes" if info.world_size > 1 else "")
+              + f"; evaluating lengths {built.lengths}; writing {run_dir}")
     try:
         if saved is not None and "optimizer" not in saved:  # training had ended: evaluate what is missing
             built.model.load_state_dict(saved["model"])
@@ -194,9 +229,10 @@ def run_built(cfg: DictConfig, built: Built, device: torch.device, run_dir: Path
         raise
     info.train_steps, info.train_seconds = trained.step, round(trained.seconds, 2)
     info.train_tokens_per_s = trained.tokens_per_s()
-    done = {row["eval_length"]: row for row in writer.rows}
+    done = {row["eval_length"]: row for row in distributed.broadcast(writer.rows)}  # rank 0's rows: its file's
     rows = []
-    for length in tqdm(built.lengths, desc="evaluate", dynamic_ncols=True, mininterval=bar_interval()):
+    for length in tqdm(built.lengths, desc="evaluate", dynamic_ncols=True, mininterval=bar_interval(),
+                       disable=not main):
         if length in done:
             rows.append(done[length])
             continue
@@ -216,15 +252,17 @@ def run_built(cfg: DictConfig, built: Built, device: torch.device, run_dir: Path
         logger.log_eval(row)
         rows.append(row)
         status.update(lengths_done=[r["eval_length"] for r in rows])
-    if not cfg.train.save_checkpoint:
-        checkpointer.path.unlink(missing_ok=True)
     status.update(phase="figures", length=None)
-    curve = run_dir / "curve.png"
-    plot_run(rows, curve)
-    built.task.write_figures(rows, run_dir)
-    logger.finish(rows, curve, trained.status)
+    if main:
+        if not cfg.train.save_checkpoint:
+            checkpointer.path.unlink(missing_ok=True)
+        curve = run_dir / "curve.png"
+        plot_run(rows, curve)
+        built.task.write_figures(rows, run_dir)
+        logger.finish(rows, curve, trained.status)
     status.update(state=trained.status, phase="done")
-    print(closing_table(info, run_dir, rows, trained), flush=True)
+    if main:
+        print(closing_table(info, run_dir, rows, trained), flush=True)
     return rows
 
 
@@ -246,8 +284,8 @@ def run_info(cfg: DictConfig, built: Built, device: torch.device, run_id: str, r
         n_params=sum(p.numel() for p in built.model.parameters()), backend=built.backend, seed=int(cfg.seed),
         train_length=built.train_length, train_sequence_length=built.task.sequence_length(built.train_length),
         train_lengths=cfg.train.lengths, positions=built.positions.scheme, max_position=built.positions.max_position,
-        device=str(device), torch=torch.__version__, git_commit=git_commit(), init_from=built.init_from,
-        init_steps=built.init_steps, untrained=built.untrained, config=config)
+        device=str(device), world_size=distributed.size(), torch=torch.__version__, git_commit=git_commit(),
+        init_from=built.init_from, init_steps=built.init_steps, untrained=built.untrained, config=config)
 
 
 def length_row(info: RunInfo, built: Built, cfg: DictConfig, length: int) -> dict:

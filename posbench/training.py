@@ -12,6 +12,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from posbench import distributed
 from posbench.build import Built, autocast, sync
 from posbench.rundir import CHECKPOINT_FILE, Status, StopRequest, StopSignals, save_torch
 from tasks.base import Task
@@ -40,11 +41,13 @@ def make_optimizer(model: torch.nn.Module, cfg_train: DictConfig) -> torch.optim
 def train_step(model, forward, task: Task, batch, positions: torch.Tensor, optimizer, cfg_train: DictConfig,
                device: torch.device) -> tuple[torch.Tensor, dict]:
     """One optimisation step (forward, loss, backward, clip, AdamW) -> (loss, the batch's metric sums).
-    `forward` is the model or its compiled form; the runner and the benchmark both step with this."""
+    `forward` is the model or its compiled form; the runner and the benchmark both step with this.
+    Data-parallel: `batch` is this rank's rows, `forward` the DDP model, and the loss this rank's share
+    of the global batch's mean (posbench.distributed.global_mean)."""
     with autocast(device, cfg_train.precision):
         logits = forward(batch.inputs, positions)  # [B, T, V]
     sums = task.batch_sums(logits.float(), batch)
-    loss = sums["loss_sum"] / sums["tokens"]
+    loss = distributed.global_mean(sums["loss_sum"], sums["tokens"])
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg_train.grad_clip)
@@ -95,6 +98,8 @@ class Checkpointer:
         self.resolved, self.init_steps = resolved, init_steps
 
     def save(self, model, progress: TrainProgress, optimizer=None, generators=None) -> None:
+        if not distributed.is_main():  # data-parallel: every rank holds the same state; rank 0 writes it
+            return
         state = {"model": model.state_dict(), "config": self.resolved, "steps": self.init_steps + progress.step,
                  "progress": asdict(progress)}
         if optimizer is not None:
@@ -115,7 +120,7 @@ def train(built: Built, cfg: DictConfig, device: torch.device, logger, checkpoin
     model, task, cfg_train = built.model, built.task, cfg.train
     model.train()
     optimizer = make_optimizer(model, cfg_train)
-    forward = compiled(model, cfg_train.compile)
+    forward = compiled(distributed.wrap(model, device), cfg_train.compile)
     generators = {"data": torch.Generator(device).manual_seed(cfg.seed),
                   "length": torch.Generator().manual_seed(cfg.seed)}
     progress = TrainProgress()
@@ -146,12 +151,14 @@ def train(built: Built, cfg: DictConfig, device: torch.device, logger, checkpoin
         if running:
             timer_start = time.perf_counter()
 
+    vote = distributed.StopVote(stop)
     bar = tqdm(range(progress.step, cfg_train.steps), initial=progress.step, total=cfg_train.steps,
                desc=f"train {built.encoding.name}/{task.name} N={built.train_length}", dynamic_ncols=True,
-               mininterval=bar_interval())
+               mininterval=bar_interval(), disable=not distributed.is_main())
     try:
         for step in bar:
-            stop.check()
+            vote.check()
+            distributed.seed_rank_stream(cfg.seed, step)
             if step == timer_step:
                 sync(device)
                 timer_start = time.perf_counter()
@@ -162,12 +169,14 @@ def train(built: Built, cfg: DictConfig, device: torch.device, logger, checkpoin
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, cfg_train)
             positions = built.positions.for_batch(batch, generators["data"])  # [1, T] or [1, T, 2]
-            loss, sums = train_step(model, forward, task, batch, positions, optimizer, cfg_train, device)
+            _, sums = train_step(model, forward, task, distributed.shard(batch), positions, optimizer, cfg_train,
+                                 device)
             if timer_start is not None:
-                progress.timed_tokens += batch.inputs.numel()
+                progress.timed_tokens += batch.inputs.numel()  # the global batch: the tokens/s of every rank
             progress.step = step + 1
             if step % cfg_train.log_every == 0 or step == cfg_train.steps - 1:
-                progress.loss = loss.item()
+                sums = distributed.all_sum(sums)  # the global batch's: every rank judges divergence alike
+                progress.loss = (sums["loss_sum"] / sums["tokens"]).item()
                 if not math.isfinite(progress.loss):
                     progress.status = "diverged"
                     print(f"\ntraining diverged at step {step} (loss {progress.loss}); stopping and recording it")
@@ -184,6 +193,7 @@ def train(built: Built, cfg: DictConfig, device: torch.device, logger, checkpoin
         raise
     finally:
         bar.close()
+    vote.finish()
     stop_timer()
     progress.seconds += time.perf_counter() - segment_start
     return progress
