@@ -3,7 +3,7 @@ with the backends that run it and how a composite combines its parts' hooks. Bac
 validation, composites and the layer read this table; nothing else names the order.
 
     embed (model input) -> qk -> query_scale -> logits = q.k^T * scale + decay + bias + key_term
-    -> logit_transform -> mask -> normalize (softmax by default) -> prob -> p.V + value_term
+    -> logit_transform -> mask -> normalize (softmax by default) -> prob -> p.V + value_term -> output
 
 Hooks that see content receive the call (`posbench.attention.context.AttentionCall`): the
 layer's input, the positions, the mask, the layer. Today's position-only hooks keep their
@@ -40,6 +40,8 @@ HOOKS: dict[str, Hook] = {hook.name: hook for hook in (
     Hook("normalize", "replaces softmax (stick-breaking)", frozenset({"eager"}), True, "one"),
     Hook("prob", "a modulation of the attention probabilities", frozenset({"eager"}), True, "sequence"),
     Hook("value_term", "a term added to p.V", frozenset({"eager"}), True, "sum"),
+    Hook("output", "the heads' output from the layer's input, before the output projection (FoX Pro's norm, gate)",
+         ALL_BACKENDS, False, "sequence"),
 )}
 
 

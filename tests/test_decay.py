@@ -18,7 +18,12 @@ HEAD = D_MODEL // HEADS
 
 
 def fox_by_hand(x, attn, gate):
-    """Lin et al.'s forgetting attention, one query and key at a time (float64):
+    """Lin et al.'s forgetting attention, one query and key at a time (float64), projected."""
+    return fox_heads_by_hand(x, attn, gate) @ attn.out.weight.T
+
+
+def fox_heads_by_hand(x, attn, gate):
+    """The heads' output [B, L, D] before the projection:
     o_i = sum_{j<=i} softmax_j(q_i.k_j / sqrt(d) + sum_{l=j+1..i} log f_l) v_j, f_l = sigmoid(w . x_l + b)."""
     b, length, _ = x.shape
     q, k, v = (t.view(b, length, HEADS, HEAD) for t in (x @ attn.qkv.weight.T).split(D_MODEL, dim=-1))
@@ -30,7 +35,7 @@ def fox_by_hand(x, attn, gate):
                 logits = torch.stack([q[s, i, h] @ k[s, j, h] / math.sqrt(HEAD) + log_f[s, j + 1:i + 1, h].sum()
                                       for j in range(i + 1)])
                 out[s, i, h] = logits.softmax(0) @ v[s, :i + 1, h]
-    return out.reshape(b, length, D_MODEL) @ attn.out.weight.T
+    return out.reshape(b, length, D_MODEL)
 
 
 def fox_model(backend: str, **params) -> Transformer:
@@ -55,6 +60,28 @@ def test_fox_attention_is_the_papers_formula(backend):
     with torch.no_grad():
         got = attn(x, PositionContext(model.encoding, pos))
     torch.testing.assert_close(got, fox_by_hand(x, attn, model.encoding.gates[0]), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_fox_pro_output_norm_and_gate_follow_the_official_layer(backend):
+    """The official layer's order (ForgettingAttentionLayer with use_output_norm and use_output_gate):
+    o -> a group RMSNorm over each head's features (eps 1e-6, a weight of d_model features) -> times
+    sigmoid(x W_o^T) -> the output projection."""
+    model = fox_model(backend, output_norm=True, output_gate=True).eval()
+    enc, attn = model.encoding, model.blocks[1].attn
+    with torch.no_grad():
+        enc.output_norm_weight.normal_(1.0, 0.5)  # away from ones, so a weight applied per the wrong head fails
+        for gate in enc.output_gates:
+            gate.weight.normal_(0.0, 1.0)
+    x = torch.randn(2, LENGTH, D_MODEL, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    o = fox_heads_by_hand(x, attn, enc.gates[1]).view(2, LENGTH, HEADS, HEAD)  # [B, L, H, d]
+    normed = o / (o.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+    weight = enc.output_norm_weight[1].reshape(D_MODEL)  # as the official layer holds it: d_model features
+    gated = normed.reshape(2, LENGTH, D_MODEL) * weight * torch.sigmoid(x @ enc.output_gates[1].weight.T)
+    with torch.no_grad():
+        got = attn(x, PositionContext(enc, torch.arange(LENGTH)[None]))
+    torch.testing.assert_close(got, gated @ attn.out.weight.T, rtol=0, atol=1e-12)
+    assert enc.hooks == {"decay", "output"} and enc.params()["output_gate"] is True
 
 
 def test_fox_gates_get_the_eager_gradient_through_the_extra_column():

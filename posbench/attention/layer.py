@@ -86,6 +86,8 @@ class Attention(nn.Module):
                 (q, k, v), call.decay_room = room, True
             y = torch.cat([self.attend_block(q, k, v, call, positions, start, min(length, start + block))
                            for start in range(0, length, block)], dim=2)  # [B, H, L, d]
+        if "output" in encoding.hooks:
+            y = encoding.output(y, x, self.layer)  # [B, H, L, d]
         return self.out(y.transpose(1, 2).reshape(b, length, d_model))  # [B, L, D]
 
     def query_block(self, encoding: Encoding, batch: int, length: int, keys: int) -> int | None:

@@ -152,6 +152,11 @@ class Encoding(nn.Module):
         """-> [B, H, Lq, d], added to p.V."""
         return None
 
+    def output(self, y: torch.Tensor, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """y [B, H, Lq, d], the heads' attention output, and x [B, Lq, D], the layer's input at the queries
+        -> y's shape, before the heads are joined and projected."""
+        return y
+
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.params().items())
 

@@ -22,6 +22,7 @@ is the order of `parts`; the table's `combine` column):
   normalize    at most one part may own it (it replaces softmax); refused.
   value_term   summed.
   prob         applied in sequence, each part's modulation multiplying the previous output.
+  output       applied in sequence.
   logit_scale  the default 1/sqrt(d) unless a part overrides it (tener 1, deberta
                1/sqrt(3d)): one override, or several agreeing ones, win; two different
                overrides are refused.
@@ -161,6 +162,11 @@ class Composite(Encoding):
         for part in self.parts_with("logit_transform"):
             logits = part.logit_transform(logits, q, k, call)  # [B, H, Lq, Lk]
         return logits
+
+    def output(self, y, x, layer):
+        for part in self.parts_with("output"):
+            y = part.output(y, x, layer)  # [B, H, Lq, d]
+        return y
 
     def normalize(self, logits, v, call):
         for part in self.parts_with("normalize"):  # at most one (checked at construction)
