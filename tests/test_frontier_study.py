@@ -51,5 +51,5 @@ def test_every_job_of_a_task_composes_to_its_method_and_passes_the_checks(task, 
         assert {key: cfg.encoding[key] for key in encoding_settings} == encoding_settings
         assert (cfg.model.d_model, cfg.model.n_layers, cfg.threads, cfg.train.length) == (64, 3, 1, length)
         assert max(cfg.eval.ratios) * length == longest
-        assert (cfg.train.steps, cfg.train.lr) == ((2000, 1e-3) if task == "wikitext" else (4000, 1e-3))
+        assert (cfg.train.steps, cfg.train.lr) == ((2000, 1e-3) if task == "wikitext" else (4000, 3e-3))
         check_config(cfg)
