@@ -25,6 +25,29 @@ CONFIGS = ROOT / "configs"
 
 
 # --- configs ------------------------------------------------------------------------------------
+# python -c KILLER PHASE AT SIGNAL RANK overrides...: posbench, sending itself SIGNAL at the AT-th training
+# step (PHASE train) or evaluated length (PHASE eval) of the process of torchrun rank RANK (any: every
+# process), so the point of the kill is exact
+KILLER = """
+import os, signal, sys
+import posbench.runner as runner
+import posbench.training as training
+phase, at, name, rank = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+# patched where the run looks it up: training.train calls train_step, runner.run_built calls evaluate
+module, attribute = (training, "train_step") if phase == "train" else (runner, "evaluate")
+target = getattr(module, attribute)
+calls = 0
+def killing(*args, **kwargs):
+    global calls
+    calls += 1
+    if calls == at and rank in ("any", os.environ.get("RANK", "0")):
+        os.kill(os.getpid(), getattr(signal, name))
+    return target(*args, **kwargs)
+setattr(module, attribute, killing)
+sys.argv = ["posbench", *sys.argv[5:]]
+import runpy
+runpy.run_module("posbench", run_name="__main__", alter_sys=True)
+"""
 
 def options(group: str) -> list[str]:
     """The options of a config group: the names of its YAML files."""

@@ -17,32 +17,10 @@ import torch
 
 from posbench import distributed, runner
 from tasks.wikitext import WindowBatch
-from tests.helpers import ROOT, compose_cfg, read_rows
+from tests.helpers import KILLER, ROOT, compose_cfg, read_rows
 
 OVERRIDES = ["debug=smoke", "train.checkpoint_every=8", "train.log_every=3"]
 MEASURED = ("status", "eval_length", "exact_match", "token_acc", "train_steps", "config_hash", "seed", "samples")
-# run by torchrun in place of `-m posbench`: one rank signals its own process at its at-th training step
-# (or evaluated length), so the point of the kill is exact
-KILLER = """
-import os, signal, sys
-import posbench.runner as runner
-import posbench.training as training
-phase, rank, at, name = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-# patched where the run looks it up: training.train calls train_step, runner.run_built calls evaluate
-module, attribute = (training, "train_step") if phase == "train" else (runner, "evaluate")
-target = getattr(module, attribute)
-calls = 0
-def killing(*args, **kwargs):
-    global calls
-    calls += 1
-    if calls == at and int(os.environ["RANK"]) == rank:  # the at-th step (or length) of that rank alone
-        os.kill(os.getpid(), getattr(signal, name))
-    return target(*args, **kwargs)
-setattr(module, attribute, killing)
-sys.argv = ["posbench", *sys.argv[5:]]
-import runpy
-runpy.run_module("posbench", run_name="__main__", alter_sys=True)
-"""
 
 
 def torchrun(run_dir: Path, *overrides: str, kill: tuple | None = None, timeout: int = 240):
@@ -53,7 +31,8 @@ def torchrun(run_dir: Path, *overrides: str, kill: tuple | None = None, timeout:
     if kill:
         script = run_dir.parent / "killer.py"
         script.write_text(KILLER)
-        target = [str(script), *map(str, kill)]
+        phase, rank, at, name = kill
+        target = [str(script), phase, str(at), name, str(rank)]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                f"--log-dir={logs}", "--redirects=3", *target, f"hydra.run.dir={run_dir}", *overrides]
     began = time.monotonic()

@@ -15,37 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import posbench, read_rows
+from tests.helpers import KILLER, posbench, read_rows
 
 STEPS, CHECKPOINT_EVERY = 60, 16
 OVERRIDES = ["debug=smoke", f"train.steps={STEPS}", f"train.checkpoint_every={CHECKPOINT_EVERY}",
              "eval.ratios=[1,2,3]", "train.log_every=7"]
 MEASURED = ("status", "eval_length", "exact_match", "token_acc", "loss", "train_steps", "config_hash", "seed")
-KILLER = """
-import os, signal, sys
-import posbench.runner as runner
-import posbench.training as training
-phase, at, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-# patched where the run looks it up: training.train calls train_step, runner.run_built calls evaluate
-module, attribute = (training, "train_step") if phase == "train" else (runner, "evaluate")
-target = getattr(module, attribute)
-calls = 0
-def killing(*args, **kwargs):
-    global calls
-    calls += 1
-    if calls == at:  # the at-th training step (or evaluated length) of this process
-        os.kill(os.getpid(), getattr(signal, name))
-    return target(*args, **kwargs)
-setattr(module, attribute, killing)
-sys.argv = ["posbench", *sys.argv[4:]]
-import runpy
-runpy.run_module("posbench", run_name="__main__", alter_sys=True)
-"""
 
 
 def tiny_run(run_dir: Path, kill: tuple[str, int, str] | None = None) -> subprocess.CompletedProcess:
     """The tiny run in run_dir, under KILLER when kill = (phase, at, signal name); the caller checks its exit code."""
-    entry = ["-c", KILLER, *map(str, kill)] if kill else None
+    entry = ["-c", KILLER, *map(str, kill), "any"] if kill else None
     return posbench(f"hydra.run.dir={run_dir}", *OVERRIDES, entry=entry, check=False)
 
 
