@@ -24,6 +24,7 @@ positions use only its own row of the mask, so chunks and query blocks give the 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
@@ -63,9 +64,9 @@ class _Positional(torch.autograd.Function):
         starts = torch.arange(0, z.numel(), used, dtype=kind, device=z.device).view(*z.shape[:-1], 1)
         index = p.to(kind).add_(starts).view(-1)  # floor, p >= 0
         weight = p.frac_()  # p - floor p
-        flat = z.view(-1)
-        below = torch.index_select(flat, 0, index, out=scratch.view(-1)).view_as(weight)  # z[f]: [B, H, Lq, Lk]
-        slope = flat[1:].index_select(0, index).view_as(weight).sub_(below)  # z[f + 1] - z[f]
+        below = torch.index_select(z.view(-1), 0, index, out=scratch.view(-1)).view_as(weight)  # z[f]: [B, H, Lq, Lk]
+        steps = F.pad(z.diff(dim=-1), (0, 1))  # z[n + 1] - z[n], never read at the last n: [B, H, Lq, used]
+        slope = steps.view(-1).index_select(0, index).view_as(weight)  # z[f + 1] - z[f]
         ctx.save_for_backward(gates, index, weight, slope, q, k, e)
         ctx.used, ctx.scale = used, scale
         r = below.addcmul_(weight, slope)  # r / sqrt(d)
@@ -76,10 +77,13 @@ class _Positional(torch.autograd.Function):
     def backward(ctx, grad):
         gates, index, weight, slope, q, k, e = ctx.saved_tensors
         dr = grad.to(gates.dtype)  # d(r / sqrt(d)): [B, H, Lq, Lk]
-        dz = gates.new_zeros(*gates.shape[:-1], ctx.used)  # [B, H, Lq, used]
+        # z[f] gets (1 - w) dr and z[f + 1] w dr: the sums of dr and of w dr at each f, shifted and combined
+        summed, weighed = (gates.new_zeros(gates.numel() // gates.shape[-1] * ctx.used) for _ in range(2))
+        summed.index_add_(0, index, dr.reshape(-1))
         part = dr * weight
-        dz.view(-1)[1:].index_add_(0, index, part.reshape(-1))  # z[f + 1] gets w dr
-        dz.view(-1).index_add_(0, index, torch.sub(dr, part, out=part).reshape(-1))  # z[f] gets (1 - w) dr
+        weighed.index_add_(0, index, part.view(-1))
+        dz = summed.sub_(weighed).view(*gates.shape[:-1], ctx.used)  # [B, H, Lq, used]
+        dz[..., 1:] += weighed.view_as(dz)[..., :-1]
         torch.ceil(weight, out=part).mul_(slope).mul_(dr).cumsum_(-1)  # dp, 0 where w = 0; summed: dg
         ds = torch.ops.aten.sigmoid_backward.grad_input(part, gates, grad_input=part).to(q.dtype)  # [B, H, Lq, Lk]
         dq = (ds @ k).mul_(ctx.scale).add_(dz @ e[:ctx.used])  # [B, H, Lq, d]

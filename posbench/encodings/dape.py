@@ -134,20 +134,24 @@ def build_base(name: str, dims: ModelDims, params: dict) -> Encoding | None:
 
 class PairMLP(torch.autograd.Function):
     """v1's A = S + B + f([S; B]), f = Linear(C, D) -> LeakyReLU -> Linear(D, H) at every pair (i, j),
-    computed TILE_ELEMENTS of the hidden layer at a time along the pairs: the hidden layer [B, D, pairs]
-    is never stored whole (backward computes each tile's again), so it stays in cache and its memory
-    never grows with the length. S: [B, H, Lq, Lk]; B: [B', H, Lq, Lk] (B' = 1 or B) or None (C = H);
-    the weights as nn.Linear's."""
+    computed a tile of TILE_ELEMENTS of one sequence's hidden layer at a time along the pairs: the hidden
+    layer [B, D, pairs] is never stored whole (backward computes each tile's again), so it stays in cache
+    and its memory never grows with the length. S: [B, H, Lq, Lk]; B: [B', H, Lq, Lk] (B' = 1 or B) or
+    None (C = H); the weights as nn.Linear's. A tile's inputs [S; B; 1] sit in one buffer, so that the
+    first layer, b1 included, is one matrix product, and its weights' gradient another; a bias shared by
+    the batch (B' = 1) is copied there, and gets its gradient, once per tile."""
 
     @staticmethod
     def forward(ctx, logits, bias, w1, b1, w2, b2, slope: float):
         s, b = pairs(logits), None if bias is None else pairs(bias)  # [B, H, P], [B', H, P]
-        w1_s, w1_b = first_layer(w1, s.shape[1])
+        w1_full = torch.cat([w1, b1[:, None]], dim=1)  # [W1 b1]: [D, C + 1]
         out = s.clone() if b is None else s + b  # S + B: [B, H, P]
         out += b2[:, None]
-        for t in tiles(s, w1.shape[0]):
-            hidden = F.leaky_relu_(hidden_layer(s[..., t], None if b is None else b[..., t], w1_s, w1_b, b1), slope)
-            out[..., t] += torch.matmul(w2, hidden)  # [B, H, tile]
+        for t, inputs in tiles(s, b, w1.shape[0]):
+            for seq in range(s.shape[0]):
+                fill(inputs, s, b, seq, t)
+                hidden = F.leaky_relu_(w1_full @ inputs, slope)  # [D, tile]
+                out[seq, :, t].addmm_(w2, hidden)  # += W2 hidden: [H, tile]
         ctx.save_for_backward(logits, bias, w1, b1, w2)
         ctx.slope = slope
         return out.view_as(logits)
@@ -156,29 +160,33 @@ class PairMLP(torch.autograd.Function):
     def backward(ctx, grad):
         logits, bias, w1, b1, w2 = ctx.saved_tensors
         s, b, g = pairs(logits), None if bias is None else pairs(bias), pairs(grad)  # [B, H, P], [B', H, P], [B, H, P]
-        heads = s.shape[1]
-        w1_s, w1_b = first_layer(w1, heads)
-        w2_t = w2.T.contiguous()  # [D, H]
+        heads, w1_full = s.shape[1], torch.cat([w1, b1[:, None]], dim=1)  # [W1 b1]: [D, C + 1]
+        w1_s, w1_b = w1[:, :heads], w1[:, heads:]  # [D, H], [D, C - H]
         ds = g.clone()  # the S in A: [B, H, P]
         db = None if b is None else sum_to_batch(g, b.shape[0]).clone()  # [B', H, P]
-        dw1, db1, dw2 = torch.zeros_like(w1), torch.zeros_like(b1), torch.zeros_like(w2)
-        for t in tiles(s, w1.shape[0]):
-            s_t, b_t, g_t = s[..., t], None if b is None else b[..., t], g[..., t]
-            pre = hidden_layer(s_t, b_t, w1_s, w1_b, b1)  # [B, D, tile]
-            dw2 += torch.bmm(g_t, F.leaky_relu(pre, ctx.slope).mT).sum(0)  # [H, D]
-            dpre = torch.ops.aten.leaky_relu_backward(torch.matmul(w2_t, g_t), pre, ctx.slope, False)  # [B, D, tile]
-            db1 += dpre.sum((0, 2))
-            dw1[:, :heads] += torch.bmm(dpre, s_t.mT).sum(0)
-            ds[..., t] += torch.matmul(w1_s.T.contiguous(), dpre)
-            if b_t is not None:
-                dpre_b = sum_to_batch(dpre, b_t.shape[0])  # [B', D, tile]
-                dw1[:, heads:] += torch.bmm(dpre_b, b_t.mT).sum(0)
-                db[..., t] += torch.matmul(w1_b.T.contiguous(), dpre_b)
-        return (ds.view_as(logits), None if db is None else db.view_as(bias), dw1, db1, dw2, g.sum((0, 2)),
-                None)
+        dw1_full, dw2 = torch.zeros_like(w1_full), torch.zeros_like(w2)  # [D, C + 1]: dW1 and db1
+        shared = b is not None and b.shape[0] == 1
+        for t, inputs in tiles(s, b, w1.shape[0]):
+            dpre_sum = None  # dpre summed over the sequences, for a shared bias: [D, tile]
+            for seq in range(s.shape[0]):
+                fill(inputs, s, b, seq, t)
+                g_t = g[seq, :, t]  # [H, tile]
+                pre = w1_full @ inputs  # [D, tile]
+                dw2.addmm_(g_t, F.leaky_relu(pre, ctx.slope).T)
+                dpre = torch.ops.aten.leaky_relu_backward(w2.T @ g_t, pre, ctx.slope, False)  # [D, tile]
+                dw1_full.addmm_(dpre, inputs.T)
+                ds[seq, :, t].addmm_(w1_s.T, dpre)
+                if shared:
+                    dpre_sum = dpre if dpre_sum is None else dpre_sum.add_(dpre)
+                elif b is not None:
+                    db[seq, :, t].addmm_(w1_b.T, dpre)
+            if shared:
+                db[0, :, t].addmm_(w1_b.T, dpre_sum)
+        return (ds.view_as(logits), None if db is None else db.view_as(bias), dw1_full[:, :-1], dw1_full[:, -1],
+                dw2, g.sum((0, 2)), None)
 
 
-TILE_ELEMENTS = 2**18  # hidden-layer elements per tile of PairMLP (1 MiB in float32: within L2)
+TILE_ELEMENTS = 2**18  # elements of one sequence's hidden layer per tile of PairMLP (1 MiB in float32: within L2)
 
 
 def pairs(t: torch.Tensor) -> torch.Tensor:
@@ -186,24 +194,26 @@ def pairs(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(*t.shape[:2], -1)
 
 
-def tiles(s: torch.Tensor, width: int):
-    """Slices along the pairs of s [B, H, P], each holding TILE_ELEMENTS of a [B, width, tile] hidden layer."""
-    size = max(1, TILE_ELEMENTS // (s.shape[0] * width))
-    return (slice(start, start + size) for start in range(0, s.shape[-1], size))
+def tiles(s: torch.Tensor, b: torch.Tensor | None, width: int):
+    """Slices along the pairs of s [B, H, P], each of TILE_ELEMENTS of a [width, tile] hidden layer, with
+    a buffer for the tile's inputs [S; B; 1] [C + 1, tile], its ones and a shared bias (B' = 1) filled in."""
+    size, n_pairs = max(1, TILE_ELEMENTS // width), s.shape[-1]
+    channels = s.shape[1] + (0 if b is None else b.shape[1])
+    buffer = s.new_ones(channels + 1, min(size, n_pairs))  # [C + 1, tile]
+    for start in range(0, n_pairs, size):
+        stop = min(start + size, n_pairs)
+        t, inputs = slice(start, stop), buffer[:, :stop - start]
+        if b is not None and b.shape[0] == 1:
+            inputs[s.shape[1]:-1] = b[0, :, t]
+        yield t, inputs
 
 
-def first_layer(w1: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """W1 [D, C] as its columns on S and on B, each contiguous ([D, H]; the second [D, 0] without a
-    bias): a slice's row stride would make every matmul copy its tile."""
-    return w1[:, :heads].contiguous(), w1[:, heads:].contiguous()
-
-
-def hidden_layer(s, b, w1_s, w1_b, b1) -> torch.Tensor:
-    """W1 [S; B] + b1 for one tile: s [B, H, tile], b [B', H, tile] or None -> [B, D, tile]."""
-    hidden = torch.matmul(w1_s, s)  # [B, D, tile]
-    if b is not None:
-        hidden += torch.matmul(w1_b, b)  # [B', D, tile], broadcast
-    return hidden.add_(b1[:, None])
+def fill(inputs: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None, seq: int, t: slice) -> None:
+    """A tile's inputs [S; B; 1] for sequence seq: its logits, and its own bias when not shared."""
+    heads = s.shape[1]
+    inputs[:heads] = s[seq, :, t]
+    if b is not None and b.shape[0] > 1:
+        inputs[heads:-1] = b[seq, :, t]
 
 
 def sum_to_batch(t: torch.Tensor, batch: int) -> torch.Tensor:
