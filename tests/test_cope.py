@@ -54,19 +54,29 @@ def naive_cope(q, k, logits, table, npos, causal):
     return out
 
 
+def composite_beside(causal):
+    """A composite holding cope: the owner of a call whose logits may carry its other parts' terms."""
+    return make_encoding("composite", causal=causal, d_model=D_MODEL, n_heads=HEADS, parts=["cope", "t5"])
+
+
 def visible_part(x, causal):
     return x.tril() if causal else x  # masked entries: the attention drops them
 
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("npos", [4, 40])  # 4: most positions clamp to the last row; 40: none do
-def test_matches_the_algorithm_written_out(causal, npos):
+@pytest.mark.parametrize("alone", [True, False])
+def test_matches_the_algorithm_written_out(causal, npos, alone):
+    """Alone, cope's gates read the logits it gets (q . k / sqrt(d)); in a composite they may hold another
+    part's bias, which the gates must not read."""
     enc = cope(npos, causal)
     q, k = qk()
     pos = torch.arange(LENGTH)[None]
-    extra = torch.randn(2, HEADS, LENGTH, LENGTH, dtype=torch.float64)  # a composite's bias: not in the gates
-    logits = q @ k.transpose(-1, -2) / math.sqrt(HEAD) + extra
-    got = enc.logit_transform(logits, q, k, AttentionCall(enc, pos, pos, 1, causal))
+    logits = q @ k.transpose(-1, -2) / math.sqrt(HEAD)
+    if not alone:
+        logits = logits + torch.randn(2, HEADS, LENGTH, LENGTH, dtype=torch.float64)  # a composite's bias
+    owner = enc if alone else composite_beside(causal)
+    got = enc.logit_transform(logits, q, k, AttentionCall(owner, pos, pos, 1, causal))
     expected = naive_cope(q, k, logits, enc.table[1].detach(), npos, causal)
     torch.testing.assert_close(visible_part(got, causal), visible_part(expected, causal), rtol=0, atol=1e-12)
 
@@ -89,9 +99,10 @@ def formula_cope(logits, q, k, table, npos, visible):
 
 
 def block_call(enc, keys, queries, causal, window=None):
-    """The last `queries` of `keys` positions, as the eager backend calls a block of queries."""
+    """The last `queries` of `keys` positions, as the eager backend calls a block of queries, for a
+    composite holding cope (logits that may hold another part's terms); `enc` gives its causal layout."""
     pos = torch.arange(keys)[None]
-    return AttentionCall(enc, pos[:, keys - queries:], pos, 1, causal, window=window)
+    return AttentionCall(composite_beside(causal), pos[:, keys - queries:], pos, 1, causal, window=window)
 
 
 def block_inputs(queries, keys, seed=2):
@@ -131,6 +142,27 @@ def test_backward_matches_autograd_of_the_formula(causal, window):
     assert enc.table.grad[0].abs().sum() == 0  # the other layer's rows
 
 
+@pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, 4)])
+def test_alone_its_gates_read_the_logits_and_q_and_k_get_the_formulas_gradients(causal, window):
+    """Alone, the logits are q . k / sqrt(d) and the gates read them: their gradient reaches q and k through
+    the logits. Values and the gradients of q, k and e against autograd through the formula."""
+    npos, keys, queries = 4, 12, 8
+    enc = cope(npos, causal)
+    _, q, k, upstream = block_inputs(queries, keys)
+    pos = torch.arange(keys)[None]
+    call = AttentionCall(enc, pos[:, keys - queries:], pos, 1, causal, window=window)
+    results = []
+    for transform in (lambda *inputs: enc.logit_transform(*inputs, call),
+                      lambda *inputs: formula_cope(*inputs, enc.table[1], npos, call.visible())):
+        q_in, k_in = (t.clone().requires_grad_() for t in (q, k))
+        enc.table.grad = None
+        out = transform(q_in @ k_in.transpose(-1, -2) / math.sqrt(HEAD), q_in, k_in)
+        out.backward(upstream)
+        results.append([out.detach(), q_in.grad, k_in.grad, enc.table.grad[1].clone()])
+    for name, got, expected in zip(("value", "q", "k", "e"), *results):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12, msg=name)
+
+
 def test_gradcheck():
     """Finite differences of the logits, q, k and e on a block with masked keys and clamped positions."""
     enc = cope(npos=3)
@@ -140,6 +172,10 @@ def test_gradcheck():
     inputs = [t.requires_grad_() for t in (logits, q, k)]
     assert torch.autograd.gradcheck(lambda logits, q, k, table: enc.logit_transform(logits, q, k, call),
                                     (*inputs, enc.table))
+    alone = AttentionCall(enc, call.q_pos, call.k_pos, 1, True)
+    assert torch.autograd.gradcheck(
+        lambda q, k, table: enc.logit_transform(q @ k.transpose(-1, -2) / math.sqrt(HEAD), q, k, alone),
+        (*inputs[1:], enc.table))
 
 
 def test_matches_x_transformers_cope():

@@ -41,14 +41,20 @@ class _Positional(torch.autograd.Function):
     backward: z[f] gets (1 - w) dr, z[f + 1] gets w dr; dp = dr (z[f + 1] - z[f]), 0 where w = 0 (as in the
     floor/ceil form, whose two rows meet there, clamped p included); dg_t = sum_{j <= t} dp_j, a plain
     cumulative sum; ds = dg g (1 - g), 0 where hidden as g = 0 there; q, k and e get the products' gradients.
+    With `gates_from_logits` the logits are q . k / sqrt(d) themselves (CoPE alone: nothing else added to
+    them): the gates read them instead of a product of their own, and ds joins the logits' gradient, so the
+    attention's own backward product carries it to q and k.
     """
 
     @staticmethod
-    def forward(ctx, logits, q, k, e, hidden, scale):
+    def forward(ctx, logits, q, k, e, hidden, scale, gates_from_logits):
         # logits: [B, H, Lq, Lk]; q: [B, H, Lq, d]; k: [B, H, Lk, d]; e: [rows + 1, d] / sqrt(d) in the compute
         # dtype, its last row never weighs; hidden: -inf where hidden, else 0, over the last keys [Lq, c], or None
         q, k = q.contiguous(), k.contiguous()  # once for the products here and in backward
-        gates = (q @ k.transpose(-2, -1)).to(e.dtype).mul_(scale)  # [B, H, Lq, Lk]
+        if gates_from_logits:
+            gates = logits.to(e.dtype, copy=True)  # [B, H, Lq, Lk]
+        else:
+            gates = (q @ k.transpose(-2, -1)).to(e.dtype).mul_(scale)  # [B, H, Lq, Lk]
         if hidden is not None:
             gates[..., -hidden.shape[-1]:] += hidden
         gates.sigmoid_()
@@ -68,7 +74,7 @@ class _Positional(torch.autograd.Function):
         steps = F.pad(z.diff(dim=-1), (0, 1))  # z[n + 1] - z[n], never read at the last n: [B, H, Lq, used]
         slope = steps.view(-1).index_select(0, index).view_as(weight)  # z[f + 1] - z[f]
         ctx.save_for_backward(gates, index, weight, slope, q, k, e)
-        ctx.used, ctx.scale = used, scale
+        ctx.used, ctx.scale, ctx.gates_from_logits = used, scale, gates_from_logits
         r = below.addcmul_(weight, slope)  # r / sqrt(d)
         return r.add_(logits) if r.dtype == logits.dtype else logits + r.to(logits.dtype)
 
@@ -85,12 +91,16 @@ class _Positional(torch.autograd.Function):
         dz = summed.sub_(weighed).view(*gates.shape[:-1], ctx.used)  # [B, H, Lq, used]
         dz[..., 1:] += weighed.view_as(dz)[..., :-1]
         torch.ceil(weight, out=part).mul_(slope).mul_(dr).cumsum_(-1)  # dp, 0 where w = 0; summed: dg
-        ds = torch.ops.aten.sigmoid_backward.grad_input(part, gates, grad_input=part).to(q.dtype)  # [B, H, Lq, Lk]
-        dq = (ds @ k).mul_(ctx.scale).add_(dz @ e[:ctx.used])  # [B, H, Lq, d]
-        dk = (ds.transpose(-2, -1) @ q).mul_(ctx.scale)  # [B, H, Lk, d]
+        ds = torch.ops.aten.sigmoid_backward.grad_input(part, gates, grad_input=part)  # [B, H, Lq, Lk]
+        dq = (dz @ e[:ctx.used]).to(q.dtype)  # [B, H, Lq, d]
         de = torch.zeros_like(e)
         de[:ctx.used] = dz.flatten(0, -2).T @ q.flatten(0, -2).to(e.dtype)
-        return grad, dq, dk, de, None, None
+        if ctx.gates_from_logits:
+            return ds.to(grad.dtype).add_(grad), dq, None, de, None, None, None
+        ds = ds.to(q.dtype)
+        dq.add_((ds @ k).mul_(ctx.scale))
+        dk = (ds.transpose(-2, -1) @ q).mul_(ctx.scale)  # [B, H, Lk, d]
+        return grad, dq, dk, de, None, None, None
 
 
 class CoPE(Encoding):
@@ -120,4 +130,5 @@ class CoPE(Encoding):
             first = int((~visible).any(0).nonzero()[0])  # the first key hidden from some query
             hidden = torch.zeros(visible[:, first:].shape, dtype=compute, device=q.device).masked_fill_(
                 ~visible[:, first:], float("-inf"))  # [Lq, Lk - first]
-        return _Positional.apply(logits, q, k, e, hidden, scale)
+        # CoPE alone gets logits = q . k / sqrt(d); beside other parts they may hold a bias or decay too
+        return _Positional.apply(logits, q, k, e, hidden, scale, call.encoding is self)
