@@ -357,10 +357,67 @@ def rope_finetune() -> str:
                      length_name=lambda n: "128 (new N)" if n == 128 else str(n))
 
 
+def frontier_method(p: dict) -> str:
+    """The configs/frontier_method option a run's settings come from."""
+    if p["encoding"] == "rope" and p.get("encoding.frequency_fraction", 1.0) != 1.0:
+        return "p_rope"
+    return {"composite": "ssmax", "schedule": "rnope"}.get(p["encoding"], p["encoding"])
+
+
+def frontier_task(p: dict) -> str:
+    """The configs/frontier_task option: flip-flop by its evaluation density."""
+    if p["task"] == "flip_flop":
+        return {0.98: "flip_flop_sparse", 0.1: "flip_flop_dense"}.get(p.get("task.eval_p_ignore"), "flip_flop")
+    return p["task"]
+
+
+def frontier(task: str) -> str:
+    """experiment=frontier on one task: each method's score at N and past it (mean and range over
+    seeds), with its training throughput and its evaluation memory at the longest length."""
+    s = study("frontier")
+    key = lambda p: frontier_method(p) if frontier_task(p) == task else None  # noqa: E731
+    records = headline_by(s, key)
+    metric = next(iter(records.values()))["metric"]
+    lower = lower_is_better(metric)
+    digits = 2 if lower else 3
+    at_n, near, far = (run_window_mean(s, metric, low, high, key) for low, high in ((0.99, 1), (1, 2), (1, math.inf)))
+    settings = group_params(s)
+    rows_of = {k: part for group, part in s.frame.groupby("group", sort=False) if (k := key(settings[group]))}
+    longest = {k: part[part["eval_length"] == part["eval_length"].max()] for k, part in rows_of.items()}
+
+    def cell(w: dict) -> str:
+        same = f"{w['min']:.{digits}f}" == f"{w['max']:.{digits}f}"
+        return num(w["mean"], digits) + ("" if same else f" ({num(w['min'], digits)}–{num(w['max'], digits)})")
+
+    def order(method: str):
+        score = near[method]["mean"] if method in near else math.nan
+        return (report.not_learned(records[method]), score if lower else -score)
+
+    rows = []
+    for method in sorted(records, key=order):
+        learned = "not learned" if report.not_learned(records[method]) else "yes"
+        part = rows_of[method]
+        rows.append([f"`{method}`", str(part["seed"].nunique()), cell(at_n[method]), learned,
+                     cell(near[method]), cell(far[method]),
+                     f"{part.drop_duplicates('run_id')['train_tokens_per_s'].mean():,.0f}",
+                     f"{longest[method]['peak_mem_mb'].max():,.0f}"])
+    header = ["method", "seeds", f"{metric} at N", "learned at N", "(N, 2N]", "(N, longest]", "train tokens/s",
+              "eval peak MiB at the longest"]
+    return table(header, rows, ["---", "---:", "---:", "---", "---:", "---:", "---:", "---:"])
+
+
+def frontier_copy() -> str:
+    return frontier("copy")
+
+
+def frontier_flip_flop_sparse() -> str:
+    return frontier("flip_flop_sparse")
+
+
 TABLES = {f.__name__.replace("_", "-"): f for f in (
     glance, core_copy_sort, catalogue_copy, randomized_copy, chomsky_encoder, kazemnejad_causal, addition_20k,
     grid_extrapolation, scale_study, scale_study_eos, scale_study_medium, report_sweep, lm_extrapolation,
-    lm_extrapolation_sliding, lm_memory, rope_scaling, rope_finetune)}
+    lm_extrapolation_sliding, lm_memory, rope_scaling, rope_finetune, frontier_copy, frontier_flip_flop_sparse)}
 
 
 def pages() -> list[Path]:
