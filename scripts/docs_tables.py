@@ -375,7 +375,10 @@ def frontier(task: str) -> str:
     """experiment=frontier on one task: each method's score at N and past it (mean and range over
     seeds), with its training throughput and its evaluation memory at the longest length."""
     s = study("frontier")
-    key = lambda p: frontier_method(p) if frontier_task(p) == task else None  # noqa: E731
+
+    def key(p: dict) -> str | None:
+        return frontier_method(p) if frontier_task(p) == task else None
+
     records = headline_by(s, key)
     metric = next(iter(records.values()))["metric"]
     lower = lower_is_better(metric)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import open_dict
@@ -69,6 +70,14 @@ def multirun_config(*overrides: str):
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return GlobalHydra.instance().config_loader().load_configuration(
             "config", list(overrides), run_mode=RunMode.MULTIRUN)
+
+
+def sweep_values(params, key: str) -> list[str]:
+    """The values a sweeper param expands to, globs included (they need Hydra's config loader)."""
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+        (override,) = parser.parse_overrides([f"{key}={params[key]}"])
+        return sorted(override.sweep_string_iterator())
 
 
 def write_wikitext_release(folder: Path, splits=("train", "valid", "test"), lines: int = 20) -> Path:

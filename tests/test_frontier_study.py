@@ -5,8 +5,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from posbench.validate import check_config
-from tests.helpers import multirun_config, options
-from tests.test_launchers import sweep_values
+from tests.helpers import multirun_config, options, sweep_values
 
 METHODS = {  # option: (encoding target, the encoding settings the option sets)
     "nope": ("nope.NoPE", {}), "rope": ("rope.RoPE", {"frequency_fraction": 1.0}),

@@ -5,12 +5,10 @@ import subprocess
 import sys
 
 import pytest
-from hydra import initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from tests.helpers import CONFIGS, ROOT, multirun_config, options, posbench, read_rows
+from tests.helpers import ROOT, multirun_config, options, posbench, read_rows, sweep_values
 
 CORPUS_TASKS = {"wikitext"}  # not synthetic: left out of the suite
 GRID_TASKS = {"life", "grid_flip", "grid_row_count", "grid_nearest"}  # experiment=grid_extrapolation's
@@ -43,14 +41,6 @@ def test_slurm_defaults_resolve_on_the_command_line():
     for line in ("partition: gpu", "gpus_per_node: 1", "timeout_min: 60", "array_parallelism: 32",
                  "cpus_per_task: 4", "mem_gb: 16", "SlurmLauncher"):
         assert line in result.stdout
-
-
-def sweep_values(params, key: str) -> list[str]:
-    """The values a sweeper param expands to, globs included (they need Hydra's config loader)."""
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
-        (override,) = parser.parse_overrides([f"{key}={params[key]}"])
-        return sorted(override.sweep_string_iterator())
 
 
 def encodings_of_dims(dims: int) -> list[str]:
