@@ -50,7 +50,11 @@ def start(device_setting: str) -> None:
         return
     cuda = str(device_setting) != "cpu" and torch.cuda.is_available()
     if cuda:
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        local_size, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", size)), torch.cuda.device_count()
+        if local_size > gpus:  # NCCL refuses two processes on one GPU, and only after minutes of waiting
+            raise ValueError(f"torchrun started {local_size} processes on this machine, which has {gpus} GPU(s): "
+                             f"one process per GPU; use --nproc_per_node={gpus}, or device=cpu for gloo on the CPU")
+        torch.cuda.set_device(local_rank)
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank=rank, world_size=size)
     atexit.register(dist.destroy_process_group)
 

@@ -162,14 +162,16 @@ def positions_for(encoding: str | Encoding, length: int, shift: int = 0) -> torc
     return grid_positions(height, length // height, shift, 2 * shift + 1 if shift else 0)
 
 
-def trained_looking_model(case: str, backend: str = "eager", causal: bool = True, window=None) -> Transformer:
-    """A float64 model (2 layers, d_model 32, 4 heads; model.window `window`) of an ENCODING_CASES entry whose
-    encoding parameters are drawn (seed 0, std 0.3): trained-looking values, not the zero / one initialisations."""
+def trained_looking_model(case: str, backend: str = "eager", causal: bool = True, window=None,
+                          heads: int = 4) -> Transformer:
+    """A float64 model (2 layers, d_model 32, `heads` heads; model.window `window`) of an ENCODING_CASES entry
+    whose encoding parameters are drawn (seed 0, std 0.3): trained-looking values, not the zero / one
+    initialisations."""
     torch.manual_seed(0)
-    enc = make_case(case, causal=causal, d_model=32, n_heads=4, max_positions=64)
+    enc = make_case(case, causal=causal, d_model=32, n_heads=heads, max_positions=64)
     for p in enc.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    cfg = ModelConfig(vocab_size=11, d_model=32, n_layers=2, n_heads=4, causal=causal, window=window)
+    cfg = ModelConfig(vocab_size=11, d_model=32, n_layers=2, n_heads=heads, causal=causal, window=window)
     return Transformer(cfg, enc, get_backend(backend, enc)).double()
 
 

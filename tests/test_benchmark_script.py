@@ -27,7 +27,8 @@ def table_rows(stdout: str) -> list[list[str]]:
 def test_two_encodings_two_lengths(tmp_path):
     out = tmp_path / "bench.csv"
     result = subprocess.run([sys.executable, str(SCRIPT), "--encodings", "nope,alibi", "--lengths", "4,8",
-                             "--steps", "2", "--warmup", "1", "--out", str(out)],
+                             "--steps", "2", "--warmup", "1", "--device", "cpu",
+                             "--out", str(out)],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[4/4] alibi length 8" in result.stderr  # progress goes to stderr

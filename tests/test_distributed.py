@@ -19,7 +19,7 @@ from posbench import distributed, runner
 from tasks.wikitext import WindowBatch
 from tests.helpers import KILLER, ROOT, compose_cfg, read_rows
 
-OVERRIDES = ["debug=smoke", "train.checkpoint_every=8", "train.log_every=3"]
+OVERRIDES = ["debug=smoke", "device=cpu", "train.checkpoint_every=8", "train.log_every=3"]  # gloo, GPU or not
 MEASURED = ("status", "eval_length", "exact_match", "token_acc", "train_steps", "config_hash", "seed", "samples")
 
 
@@ -125,6 +125,18 @@ def test_a_refused_command_is_refused_by_every_rank_promptly(case, tmp_path):
         assert words in status(run_dir)["error"]
     else:  # the other run's directory is left as it was
         assert sorted(p.name for p in run_dir.iterdir()) == ["results.jsonl"]
+
+
+def test_more_processes_than_gpus_is_refused_before_nccl_starts(monkeypatch):
+    """NCCL refuses two processes on one GPU only after its own time-out: each rank says so at once."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for key, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=r"started 2 processes on this machine, which has 1 GPU\(s\).*"
+                                         r"--nproc_per_node=1, or device=cpu"):
+        distributed.start("auto")
+    assert not torch.distributed.is_initialized()
 
 
 def test_one_process_is_world_size_one_and_every_helper_leaves_the_run_as_it_was():

@@ -171,12 +171,15 @@ def test_chunked_segment_recurrence_equals_reading_both_segments_at_once(name):
 
 def test_auto_backend_follows_the_device():
     """auto: sdpa on CPU (fused kernel, flex cannot train there); flex on CUDA for a bias with a
-    score_mod; eager for content terms; sdpa for a bias flex cannot express."""
+    score_mod flex can differentiate, where heads have 16 features or more; eager for content terms; sdpa
+    for a bias flex cannot express or train, and for heads of fewer features (flex's CUDA kernels refuse them)."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    for name, on_cpu, on_cuda in (("alibi", "sdpa", "flex"), ("t5", "sdpa", "flex"), ("rope", "sdpa", "sdpa"),
+    for name, on_cpu, on_cuda in (("alibi", "sdpa", "flex"), ("kerple", "sdpa", "flex"), ("rope", "sdpa", "sdpa"),
+                                  ("t5", "sdpa", "sdpa"), ("fox", "sdpa", "sdpa"),  # flex cannot train them
                                   ("shaw", "eager", "eager"), ("alibi_2d", "sdpa", "sdpa")):
-        enc = make_encoding(name)
+        enc = make_encoding(name, d_model=32)  # heads of 16 features
         assert (get_backend("auto", enc, cpu).name, get_backend("auto", enc, cuda).name) == (on_cpu, on_cuda), name
+    assert get_backend("auto", make_encoding("alibi", d_model=16), cuda).name == "sdpa"  # heads of 8
 
 
 def test_fire_piecewise_linear_mlp_is_the_mlp():

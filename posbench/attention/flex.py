@@ -23,6 +23,7 @@ from posbench.hooks import backend_hooks, backends_for
 BLOCK = 128  # queries and keys per block of the block mask (FlexAttention's default)
 CPU_TRAINING = ("backend=flex trains on CUDA only; on CPU it evaluates (forward only); "
                 "use backend=sdpa or auto for training")
+CUDA_MIN_HEAD_DIM = 16  # FlexAttention's compiled CUDA kernels refuse smaller heads (torch 2.11: "NYI")
 
 
 @functools.cache
@@ -87,7 +88,13 @@ class FlexBackend(Backend):
         """As Backend.attend; a bias built by the caller is not used: the score_mod computes it per score."""
         if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             raise ValueError(CPU_TRAINING)
+        if q.is_cuda and self.compiled and min(q.shape[-1], v.shape[-1]) < CUDA_MIN_HEAD_DIM:
+            raise ValueError(f"backend=flex needs heads of at least {CUDA_MIN_HEAD_DIM} features on CUDA, got "
+                             f"{q.shape[-1]} (model.d_model / model.n_heads); use backend=sdpa or auto")
         encoding = call.encoding
+        if q.is_cuda and not encoding.flex_trains and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise ValueError(f"backend=flex cannot train encoding {encoding.name} on CUDA: torch's FlexAttention cannot "
+                             "differentiate its score_mod (Encoding.flex_trains); use backend=sdpa or auto")
         score_mod = encoding.score_mod(call.q_pos, call.k_pos, call.layer) if "bias" in encoding.hooks else None
         if call.k_levels is not None:
             score_mod = decay_score_mod(call, score_mod, torch.promote_types(q.dtype, torch.float32))

@@ -5,7 +5,7 @@ import torch
 
 from posbench.attention.backend import Backend
 from posbench.attention.eager import EagerBackend
-from posbench.attention.flex import FlexBackend
+from posbench.attention.flex import CUDA_MIN_HEAD_DIM, FlexBackend
 from posbench.attention.sdpa import SdpaBackend
 from posbench.encodings.base import Encoding
 
@@ -15,7 +15,9 @@ BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (EagerBackend, Sd
 def get_backend(name: str, encoding: Encoding | None = None, device: torch.device | None = None) -> Backend:
     """A backend by name; `auto` takes the fastest one that runs every hook the encoding needs on
     the device, for training and evaluation alike: on CUDA flex for a bias with a score_mod or a
-    decay (SDPA would take a dense mask, or a head size the flash kernel refuses), else sdpa; on CPU
+    decay (SDPA would take a dense mask, or a head size the flash kernel refuses) where heads have at least
+    16 features (flex's CUDA kernels refuse fewer) and flex can differentiate it (Encoding.flex_trains),
+    else sdpa; on CPU
     sdpa (its fused kernel with the causal flag beat compiled flex 1.4-1.7x in evaluation at 4k
     tokens, and flex cannot train there); eager for hooks neither runs."""
     if name == "auto":
@@ -23,7 +25,9 @@ def get_backend(name: str, encoding: Encoding | None = None, device: torch.devic
             raise ValueError("backend=auto needs the encoding to choose for")
         needed = set(encoding.hooks) - {"embed"}
         name = "sdpa" if needed <= SdpaBackend.supported_hooks else "eager"
-        if name == "sdpa" and needed & {"bias", "decay"} and device is not None and torch.device(device).type == "cuda":
+        head_dim = encoding.dims.d_model // encoding.dims.n_heads
+        if (name == "sdpa" and needed & {"bias", "decay"} and device is not None and torch.device(device).type == "cuda"
+                and head_dim >= CUDA_MIN_HEAD_DIM and encoding.flex_trains):
             try:
                 FlexBackend().check(encoding)
                 name = "flex"

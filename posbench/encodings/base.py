@@ -65,6 +65,10 @@ class Encoding(nn.Module):
     position_dims: int = 1  # 1: reads ids [B', L]; 2: reads (row, column) [B', L, 2] (needs a grid task)
     causal_only: bool = False  # refuses a bidirectional model (model.causal=false)
     reads_query_key: bool = False  # a hook reads q or k themselves, not only their logits (key_term always does)
+    # backend=flex differentiates its score_mod on CUDA. False where torch's FlexAttention cannot (torch 2.11,
+    # H200: a learned table looked up by bucket, an unrolled MLP, gate levels indexed per query and key);
+    # auto then trains on sdpa. tests/test_cuda.py checks every encoding left True on a GPU.
+    flex_trains: bool = True
 
     def __init__(self, dims: ModelDims):
         super().__init__()

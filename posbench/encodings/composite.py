@@ -60,6 +60,7 @@ class Composite(Encoding):
     # the traits of DEFAULT_PARTS; every instance sets those of its own parts
     hooks = frozenset({"qk", "bias"})
     relative = True
+    flex_trains = False  # t5's
 
     def __init__(self, dims: ModelDims, parts=DEFAULT_PARTS, part_params=None, embed_rule: str = "error"):
         super().__init__(dims)
@@ -75,6 +76,7 @@ class Composite(Encoding):
         self.relative = self.shift_invariant()
         self.replaces_token_embedding = any(part.replaces_token_embedding for part in self.parts)
         self.bias_layers_shared = all(part.bias_layers_shared for part in self.parts_with("bias"))
+        self.flex_trains = all(part.flex_trains for part in self.parts)
         self.position_dims = self.check_position_dims()
         self.check_single_owners()
         self.logit_scale(dims.head_dim)  # conflicting overrides fail before training

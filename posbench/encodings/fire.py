@@ -56,6 +56,7 @@ def piecewise_linear_mlp(mlp: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
 class FIRE(Encoding):
     name = "fire"
     hooks = frozenset({"bias"})
+    flex_trains = False  # its MLP unrolled in the score_mod indexes each weight once per unit
     relative = False  # the normaliser depends on the query position i (see the module docstring)
 
     def __init__(self, dims: ModelDims, mlp_width: int = 32, init_c: float = 0.1,

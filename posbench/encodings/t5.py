@@ -62,6 +62,7 @@ def check_buckets(owner: str, num_buckets: int, max_distance: int, bidirectional
 class T5(Encoding):
     name = "t5"
     hooks = frozenset({"bias"})
+    flex_trains = False  # its table looked up by bucket inside the score_mod (inductor: ShapeAsConstantBuffer)
     relative = True
     bias_layers_shared = True
 

@@ -1,0 +1,78 @@
+"""The GPU paths, where a CUDA device is present (skipped with that reason elsewhere): every encoding, on the
+backend the runner picks for it on CUDA (compiled flex for biases and decays with a score_mod), gives the
+logits and gradients of the float64 eager model on the CPU; a run on cuda records device memory, and bf16
+autocast trains to finite losses."""
+import copy
+import math
+
+import pytest
+import torch
+
+from posbench.attention import get_backend
+from posbench.model import ModelConfig, Transformer
+from tests.helpers import ENCODING_CASES, posbench, positions_for, read_rows, trained_looking_model, with_layouts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+CUDA = torch.device("cuda")
+
+
+def on_cuda(reference: Transformer, causal: bool, heads: int) -> Transformer:
+    """The reference model's weights in float32 on CUDA, on the backend `auto` picks there."""
+    encoding = copy.deepcopy(reference.encoding).float().to(CUDA)
+    cfg = ModelConfig(vocab_size=11, d_model=32, n_layers=2, n_heads=heads, causal=causal)
+    model = Transformer(cfg, encoding, get_backend("auto", encoding, CUDA)).to(CUDA)
+    model.load_state_dict(reference.state_dict())
+    return model
+
+
+def loss_and_grads(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, targets: torch.Tensor):
+    logits = model(ids, pos)  # [B, L, V]
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss.backward()
+    return logits.detach().double().cpu(), {name: p.grad.double().cpu() for name, p in model.named_parameters()
+                                            if p.grad is not None}
+
+
+@pytest.mark.parametrize("heads", [2, 4])  # heads of 16 features (flex where it can) and of 8 (never flex)
+@pytest.mark.parametrize("case,causal", with_layouts(ENCODING_CASES))
+def test_the_cuda_backend_gives_the_cpu_reference(case, causal, heads):
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 products, so the comparison is the backend's
+    torch.backends.cudnn.allow_tf32 = False
+    reference = trained_looking_model(case, "eager", causal, heads=heads)
+    model = on_cuda(reference, causal, heads)
+    gen = torch.Generator().manual_seed(4)
+    ids, targets = torch.randint(0, 11, (2, 2, 24), generator=gen)  # 24 tokens: a 4 x 6 grid for 2-D encodings
+    pos = positions_for(reference.encoding, 24)
+    want_logits, want_grads = loss_and_grads(reference, ids, pos, targets)
+    got_logits, got_grads = loss_and_grads(model, ids.to(CUDA), pos.to(CUDA), targets.to(CUDA))
+    backend = type(model.blocks[0].attn.backend).__name__
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4, msg=lambda m: f"{backend}: {m}")
+    assert got_grads.keys() == want_grads.keys()
+    for name, want in want_grads.items():  # each gradient within 0.5% of its own size (float32)
+        error = (got_grads[name] - want).norm() / want.norm().clamp_min(1e-6)
+        assert error < 5e-3, f"{backend}: {name} gradient off by {error:.2e} of its norm"
+
+
+@pytest.mark.parametrize("encoding,precision,heads,backend", [
+    ("alibi", "fp32", 1, "flex"), ("alibi", "fp32", 2, "sdpa"), ("kerple", "bf16", 1, "flex"), ("fox", "fp32", 1, "sdpa"),
+    ("t5", "bf16", 1, "sdpa"), ("rope", "bf16", 2, "sdpa"), ("cope", "bf16", 2, "eager")])  # heads of 16 or 8 features
+def test_a_run_on_cuda_records_device_memory(encoding, precision, heads, backend, tmp_path):
+    posbench(f"encoding={encoding}", "task=copy", "debug=smoke", "device=cuda", f"train.precision={precision}",
+             f"model.n_heads={heads}", f"hydra.run.dir={tmp_path}")
+    rows = read_rows(tmp_path)
+    assert [row["eval_length"] for row in rows] == [16, 32]
+    for row in rows:
+        assert (row["status"], row["device"], row["backend"], row["mem_kind"]) == ("ok", "cuda", backend,
+                                                                                   "cuda_max_allocated")
+        assert math.isfinite(row["loss"]) and row["peak_mem_mb"] > 0
+
+
+@pytest.mark.parametrize("case", ["t5", "fire", "fox", "composite:alibi+fox"])
+def test_training_an_encoding_flex_cannot_differentiate_is_refused(case):
+    reference = trained_looking_model(case, "eager", heads=2)
+    encoding = copy.deepcopy(reference.encoding).float().to(CUDA)
+    cfg = ModelConfig(vocab_size=11, d_model=32, n_layers=2, n_heads=2, causal=True)
+    model = Transformer(cfg, encoding, get_backend("flex")).to(CUDA)
+    ids = torch.randint(0, 11, (2, 24), device=CUDA)
+    with pytest.raises(ValueError, match=f"backend=flex cannot train encoding {encoding.name} on CUDA"):
+        model(ids, torch.arange(24, device=CUDA)[None])
