@@ -1,6 +1,8 @@
 """PaTH attention against its formula with every transform product written as an explicit matrix
-product (float64), w and beta against their definitions written out, PaTH-FoX as a composite, chunked
-evaluation equal to one pass, causality, and the refusal of a bidirectional model."""
+product (float64), the triangular-solve products against fla's recurrence over a cache of keys at
+hundreds of tokens (float64, and float32 within rounding), w and beta against their definitions written
+out, PaTH-FoX as a composite, chunked evaluation equal to one pass, causality, and the refusal of a
+bidirectional model."""
 import math
 
 import pytest
@@ -9,6 +11,7 @@ import torch.nn.functional as F
 
 from posbench.attention import Attention, PositionContext, get_backend
 from posbench.model import ModelConfig, Transformer
+from posbench.encodings.path import path_products
 from tests.helpers import make_encoding
 
 D_MODEL, HEADS, HEAD, LENGTH = 16, 2, 8, 7
@@ -77,6 +80,32 @@ def test_path_attention_is_the_product_of_transforms():
     with torch.no_grad():
         got = attn(x, PositionContext(enc, torch.arange(LENGTH)[None]))
     torch.testing.assert_close(got, path_attention_by_hand(x, attn, enc), rtol=0, atol=1e-12)
+
+
+def carried_keys(q, k, w, beta):
+    """fla's reference recurrence: at step t every cached key j < t becomes H_t k_j, then k_t joins and
+    query t reads the cache -> [B, H, L, L], zero above the diagonal."""
+    length = k.shape[-2]
+    out = torch.zeros(*q.shape[:-1], length, dtype=q.dtype)
+    cache = k.clone()
+    for t in range(length):
+        if t:
+            h_t = beta[..., t, None, None] * w[..., t, :, None] * w[..., t, None, :]  # beta w w^T: [B, H, d, d]
+            cache[..., :t, :] = cache[..., :t, :] - cache[..., :t, :] @ h_t  # (I - beta w w^T) k_j, symmetric
+        out[..., t, :t + 1] = (cache[..., :t + 1, :] @ q[..., t, :, None])[..., 0]
+    return out
+
+
+@pytest.mark.parametrize("length,q_start", [(300, 0), (120, 70)])
+def test_the_triangular_solve_gives_the_recurrence_at_length(length, q_start):
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 2, 3, length, 16, generator=gen, dtype=torch.float64)
+    w = F.normalize(torch.randn(2, 3, length, 16, generator=gen, dtype=torch.float64), dim=-1)
+    beta = 2 * torch.rand(2, 3, length, generator=gen, dtype=torch.float64)
+    expected = carried_keys(q, k, w, beta)[..., q_start:, :]
+    torch.testing.assert_close(path_products(q[..., q_start:, :], k, w, beta, q_start), expected, rtol=0, atol=1e-11)
+    single = path_products(q[..., q_start:, :].float(), k.float(), w.float(), beta.float(), q_start)
+    torch.testing.assert_close(single.double(), expected, rtol=0, atol=1e-4)  # logits up to ~18
 
 
 def test_path_fox_composite_adds_the_forget_gates():

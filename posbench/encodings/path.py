@@ -6,10 +6,9 @@ Householder-like transforms between query and key,
     w_t = L2norm(SiLU(ShortConv_3(W_2 W_1 x_t)))  per head (W_1: d_model -> 32, W_2: 32 -> H d),
 
 x the layer's input, the convolution causal and depthwise over time with no bias, as fla's PaTHAttention
-(fla/layers/path_attn.py). The algorithm is its reference one: at each step t every cached key j < t
-becomes H_t k_j, then k_t joins; query t reads the cache. O(L^2 d) time, a Python loop over the keys:
-an eager reference (`logit_transform`), fit for training lengths and evaluation to a few thousand
-tokens, not for 32k. Causal only. `encoding=composite encoding.parts=[path,fox]` gives PaTH-FoX, with
+(fla/layers/path_attn.py). The products come from one triangular solve per head (`path_products`), no
+loop over keys: O(L^2 d + L^3) time and O(L^2) memory, on the eager backend (`logit_transform`), fit for
+training lengths and evaluation to a few thousand tokens, not for 32k. Causal only. `encoding=composite encoding.parts=[path,fox]` gives PaTH-FoX, with
 FoX's own scale of the gate (fla multiplies the gate term by 1/sqrt(d) there).
 """
 from __future__ import annotations
@@ -66,17 +65,17 @@ class PaTH(Encoding):
 
 
 def path_products(q, k, w, beta, q_start: int) -> torch.Tensor:
-    """q_i^T H_i ... H_{j+1} k_j for the queries at key indices q_start.. and every key j <= i (zero for j > i).
+    """q_i^T H_i ... H_{j+1} k_j for the queries at key indices q_start.. and every key j <= i (zero for j > i),
+    without a loop over keys. Carrying q_i back through H_i, H_{i-1}, .. sheds c_it w_t at step t, where c_i
+    solves the unit upper-triangular system (I + diag(beta) strict_upper(W W^T)) c_i = [t <= i] beta_t w_t . q_i
+    (the product's UT form, as in the paper); then the logit is q_i . k_j - sum_{t > j} c_it w_t . k_j.
     q: [B, H, Lq, d], k, w: [B, H, Lk, d], beta: [B, H, Lk] -> [B, H, Lq, Lk]."""
-    lk = k.shape[-2]
-    rows = []
-    keys = k[..., :0, :]  # [B, H, 0, d]: the cache, each key carried to the current step
-    for t in range(lk):
-        if t:
-            along = keys @ w[..., t, :, None]  # k_j . w_t: [B, H, t, 1]
-            keys = keys - beta[..., t, None, None] * along * w[..., t, None, :]  # H_t k_j: [B, H, t, d]
-        keys = torch.cat([keys, k[..., t:t + 1, :]], dim=-2)  # [B, H, t + 1, d]
-        if t >= q_start:
-            row = q[..., t - q_start:t - q_start + 1, :] @ keys.transpose(-1, -2)  # [B, H, 1, t + 1]
-            rows.append(F.pad(row, (0, lk - t - 1)))  # [B, H, 1, Lk]
-    return torch.cat(rows, dim=-2)  # [B, H, Lq, Lk]
+    lq, lk = q.shape[-2], k.shape[-2]
+    seen = torch.arange(lk, device=q.device) <= torch.arange(q_start, q_start + lq, device=q.device)[:, None]  # [Lq, Lk]
+    rhs = (q @ w.transpose(-1, -2)) * beta[..., None, :] * seen  # beta_t w_t . q_i for t <= i: [B, H, Lq, Lk]
+    system = (beta[..., :, None] * (w @ w.transpose(-1, -2))).triu(1)  # beta_t w_t . w_s, s > t: [B, H, Lk, Lk]
+    system = system + torch.eye(lk, dtype=system.dtype, device=system.device)
+    shed = torch.linalg.solve_triangular(system.transpose(-1, -2), rhs, upper=False, left=False,
+                                         unitriangular=True)  # rows c_i: [B, H, Lq, Lk]
+    later = (w @ k.transpose(-1, -2)).tril(-1)  # w_t . k_j for t > j: [B, H, Lk, Lk]
+    return (q @ k.transpose(-1, -2) - shed @ later) * seen  # [B, H, Lq, Lk]
