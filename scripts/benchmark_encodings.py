@@ -3,9 +3,11 @@
     python scripts/benchmark_encodings.py [--encodings nope,rope,...] [--lengths 16,128]
         [--steps 5] [--warmup 2] [--batch-size 64] [--threads 1] [--device auto]
         [--override model=tiny ...] [--out bench.csv]
+    python scripts/benchmark_encodings.py --methods nope,rope,ssmax,... (the frontier study's methods)
 
 Each (encoding, length) runs in a fresh child process (this script with --child): the
-Hydra config is composed as in a real run with `encoding=<name>` and `train.length=<length>`,
+Hydra config is composed as in a real run with `encoding=<name>` (with --methods,
+`+frontier_method=<name>`: a configs/frontier_method option) and `train.length=<length>`,
 the model comes from `posbench.build.build` (so backend=auto, the model size and the
 encoding's dims are the real ones), then warm-up and timed AdamW training steps run on
 `task.sample(batch, length)` batches at exactly that length, positions arange(T). Speed is
@@ -87,8 +89,8 @@ def child(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    cfg = compose_cfg([f"encoding={args.encoding}", f"train.length={args.length}", f"device={args.device}",
-                       *args.override])
+    chosen = f"+frontier_method={args.encoding}" if args.method else f"encoding={args.encoding}"
+    cfg = compose_cfg([chosen, f"train.length={args.length}", f"device={args.device}", *args.override])
     built = build(cfg, device)
     model, task = built.model, built.task
     batch_size = args.batch_size or int(cfg.train.batch_size)
@@ -126,7 +128,7 @@ def child(args: argparse.Namespace) -> None:
     step_mem_mb = timed_peak_mb - memory.base if memory.resettable else None
 
     median = statistics.median(step_seconds)
-    result = {"encoding": built.encoding.name, "backend": built.backend, "length": args.length, "tokens": tokens,
+    result = {"encoding": args.encoding if args.method else built.encoding.name, "backend": built.backend, "length": args.length, "tokens": tokens,
               "batch_size": batch_size, "tokens_per_s": batch_size * tokens / median,
               "step_ms_median": 1000 * median, "peak_mem_mb": peak_mb, "step_mem_mb": step_mem_mb,
               "mem_kind": memory.kind,
@@ -143,6 +145,8 @@ def run_child(args: argparse.Namespace, encoding: str, length: int) -> dict:
                "--device", args.device, "--threads", str(args.threads)]
     if args.batch_size:
         command += ["--batch-size", str(args.batch_size)]
+    if args.methods:
+        command.append("--method")
     for override in args.override:
         command += ["--override", override]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
@@ -203,11 +207,18 @@ def markdown_table(rows: list[dict], args: argparse.Namespace) -> str:
 def parent(args: argparse.Namespace) -> None:
     from posbench.encodings import REGISTRY
 
-    sequence_encodings = [name for name, cls in REGISTRY.items() if cls.position_dims == 1]  # 2-D ones need grids
-    encodings = parse_list(args.encodings, str, "--encodings") if args.encodings else sequence_encodings
-    unknown = [name for name in encodings if name not in REGISTRY]
+    if args.methods and args.encodings:
+        raise SystemExit("--encodings and --methods: give one of them")
+    if args.methods:
+        encodings, flag = parse_list(args.methods, str, "--methods"), "--methods"
+        known = sorted(path.stem for path in (CONFIGS / "frontier_method").glob("*.yaml"))
+    else:
+        sequence_encodings = [name for name, cls in REGISTRY.items() if cls.position_dims == 1]  # 2-D: grids
+        encodings = parse_list(args.encodings, str, "--encodings") if args.encodings else sequence_encodings
+        flag, known = "--encodings", sorted(REGISTRY)
+    unknown = [name for name in encodings if name not in known]
     if unknown:
-        raise SystemExit(f"--encodings: unknown {unknown}; registered: {sorted(REGISTRY)}")
+        raise SystemExit(f"{flag}: unknown {unknown}; choose from {known}")
     encodings = [BASELINE] + [name for name in dict.fromkeys(encodings) if name != BASELINE]
     cfg = compose_cfg(list(args.override))
     args.setting = (f"{cfg.task._target_.rsplit('.', 1)[-1].lower()} task, model d_model={cfg.model.d_model} "
@@ -247,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--encodings", help="comma-separated registry names (default: all); nope is always added")
+    parser.add_argument("--methods", help="comma-separated configs/frontier_method options, in place of "
+                                          "--encodings; nope is always added")
     parser.add_argument("--lengths", help="comma-separated task lengths (default: N and 8N, N = train.length)")
     parser.add_argument("--steps", type=int, default=5, help="timed training steps; the median is reported")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
@@ -259,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="also write the rows to this CSV file")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--encoding", help=argparse.SUPPRESS)
+    parser.add_argument("--method", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:

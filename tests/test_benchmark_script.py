@@ -56,6 +56,17 @@ def test_two_encodings_two_lengths(tmp_path):
             assert float(row["tokens_per_s_vs_nope"]) > 0 and float(row["peak_mem_vs_nope"]) > 0
 
 
+def test_frontier_methods_compose_as_the_study_does(tmp_path):
+    out = tmp_path / "bench.csv"
+    command = [sys.executable, str(SCRIPT), "--methods", "p_rope", "--lengths", "4", "--steps", "1", "--warmup", "0",
+               "--device", "cpu", "--out", str(out)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [(r[0], r[1]) for r in table_rows(result.stdout)] == [("nope", "sdpa"), ("p_rope", "sdpa")]
+    refused = subprocess.run([*command[:3], "p_rpe"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "--methods: unknown ['p_rpe']; choose from ['alibi'," in refused.stderr
+
+
 def test_ratios_divide_by_nope_at_the_same_length():
     bench = load_script()
     rows = [
@@ -78,7 +89,7 @@ def test_ratios_divide_by_nope_at_the_same_length():
 def test_unknown_encoding_is_refused():
     result = subprocess.run([sys.executable, str(SCRIPT), "--encodings", "nope,bogus"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
-    assert result.returncode != 0 and "bogus" in result.stderr and "registered" in result.stderr
+    assert result.returncode != 0 and "bogus" in result.stderr and "--encodings: unknown ['bogus']; choose from [" in result.stderr
 
 
 @pytest.mark.parametrize("flag", [["--lengths", "4,x"], ["--lengths", "0,4"], ["--steps", "0"]])
