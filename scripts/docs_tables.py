@@ -18,6 +18,7 @@ generated: they are checked by hand against these tables. tests/test_docs.py run
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import re
@@ -409,6 +410,53 @@ def frontier(task: str) -> str:
     return table(header, rows, ["---", "---:", "---:", "---", "---:", "---:", "---:", "---:"])
 
 
+FRONTIER_TASKS = (("copy", "copy, stop scored"), ("flip_flop_sparse", "flip-flop, sparse"),
+                  ("wikitext", "WikiText-2 bytes (perplexity)"), ("counting", "counting"), ("mqar", "MQAR"))
+FRONTIER_COST = REFERENCE / "frontier" / "cost.csv"  # scripts/benchmark_encodings.py --methods ... --out
+
+
+def frontier_glance() -> str:
+    """README: each frontier method's mean over (N, 2N] per task, over seeds (their range), the best of a
+    column in bold, "not learned" where the run misses the bar at N; beside them the training step's cost
+    at the study's size on copy, against nope (FRONTIER_COST)."""
+    s = study("frontier")
+    columns, cells = [], {}
+    for task, header in FRONTIER_TASKS:
+        def key(p: dict, task=task) -> str | None:
+            return frontier_method(p) if frontier_task(p) == task else None
+
+        records = headline_by(s, key)
+        if not records:
+            continue
+        metric = next(iter(records.values()))["metric"]
+        lower = lower_is_better(metric)
+        digits = 2 if lower else 3
+        near = run_window_mean(s, metric, 1, 2, key)
+        learned = {m: w for m, w in near.items() if not report.not_learned(records[m])}
+        best = (min if lower else max)(w["mean"] for w in learned.values()) if learned else None
+        columns.append(header)
+        for method, w in near.items():
+            if report.not_learned(records[method]):
+                text = "not learned"
+            else:
+                text = num(w["mean"], digits)
+                text = f"**{text}**" if w["mean"] == best else text
+                if w["n"] > 1 and f"{w['min']:.{digits}f}" != f"{w['max']:.{digits}f}":
+                    text += f" ({num(w['min'], digits)}–{num(w['max'], digits)})"
+            cells.setdefault(method, {})[header] = text
+    cost = {}
+    if FRONTIER_COST.exists():
+        with FRONTIER_COST.open() as handle:
+            for row in csv.DictReader(handle):
+                if row["status"] == "ok" and row["tokens_per_s_vs_nope"]:
+                    cost.setdefault(row["encoding"], {})[int(row["length"])] = float(row["tokens_per_s_vs_nope"])
+    lengths = sorted({n for by_length in cost.values() for n in by_length})
+    header = ["method", *columns, *(f"step time vs nope, copy n = {n}" for n in lengths)]
+    rows = [[f"`{m}`", *(cells[m].get(c, "–") for c in columns),
+             *(num(1 / cost[m][n], 2) if n in cost.get(m, {}) else "–" for n in lengths)] for m in sorted(cells)]
+    return table(header, rows, ["---"] + ["---:"] * (len(header) - 1))
+
+
 def frontier_copy() -> str:
     return frontier("copy")
 
@@ -420,7 +468,7 @@ def frontier_flip_flop_sparse() -> str:
 TABLES = {f.__name__.replace("_", "-"): f for f in (
     glance, core_copy_sort, catalogue_copy, randomized_copy, chomsky_encoder, kazemnejad_causal, addition_20k,
     grid_extrapolation, scale_study, scale_study_eos, scale_study_medium, report_sweep, lm_extrapolation,
-    lm_extrapolation_sliding, lm_memory, rope_scaling, rope_finetune, frontier_copy, frontier_flip_flop_sparse)}
+    lm_extrapolation_sliding, lm_memory, rope_scaling, rope_finetune, frontier_glance, frontier_copy, frontier_flip_flop_sparse)}
 
 
 def pages() -> list[Path]:
