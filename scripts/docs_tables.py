@@ -457,6 +457,83 @@ def frontier_glance() -> str:
     return table(header, rows, ["---"] + ["---:"] * (len(header) - 1))
 
 
+class Claim(NamedTuple):
+    method: str
+    paper: str  # what the paper reports, with its setting
+    task: str  # the frontier task that tests it
+    baselines: tuple[str, ...]  # the methods the paper says it beats: the best of them measured here
+    window: tuple[float, float]  # where, in units of N: (1, 2) = (N, 2N], (0.99, 1) = at N
+
+
+FRONTIER_CLAIMS = (
+    Claim("cope", "solves Flip-Flop where RoPE fails (Golovneva et al. 2024, abstract)", "flip_flop_sparse",
+          ("rope",), (1, 2)),
+    Claim("path", "0.0001% error on sparse flip-flop against RoPE's 40.3% (Yang et al. 2025, Table 1: one layer, "
+          "two heads, tested on FFL(0.98) at the training length)", "flip_flop_sparse",
+ ("rope",), (0.99, 1)),
+    Claim("cope", "solves counting where RoPE fails (abstract; 4 layers, 256 wide, 3 or 5 variables)", "counting",
+          ("rope",), (1, 2)),
+    Claim("fox", "extrapolates in language modelling where RoPE does not (760M, 48B tokens, trained at 16k)",
+          "wikitext",
+ ("rope",), (1, 2)),
+    Claim("stick_breaking", "trained at 2^11, better perplexity at 2^14 (350M, 15B tokens, WikiText)", "wikitext",
+          ("rope",), (1, 2)),
+    Claim("dape", "trained at 128, better at 8192 than every static encoding, FIRE and ALiBi among them "
+          "(125M, Arxiv and Books3)", "wikitext", ("nope", "rope", "alibi", "fire", "t5"), (1, 2)),
+    Claim("ssmax", "beside RoPE, holds long-context loss and retrieval where softmax degrades (162M)", "wikitext",
+          ("rope",), (1, 2)),
+    Claim("path", "stable to 8x its training length where RoPE fails past it (760M, trained at 4k)", "wikitext",
+          ("rope",), (1, 2)),
+    Claim("p_rope", "0.75-RoPE 4.4414 against RoPE 4.4627 Wiki perplexity at the training length (Gemma 2B, 8k); "
+          "not an extrapolation claim", "wikitext",
+ ("rope",), (0.99, 1)),
+    Claim("rnope", "RoPE and NoPE layers together beat RoPE on long context (Cohere, arXiv 2501.18795)",
+          "wikitext",
+ ("rope",), (1, 2)),
+)
+
+
+def frontier_claims() -> str:
+    """docs/studies.md: each paper's claim against what the frontier study measured: the method against the
+    best measured of the baselines the paper says it beats, on the task and lengths that test it; reproduced
+    "yes" when the method's mean is the better one, "tie" when they print equal, "–" until both are measured."""
+    s = study("frontier")
+    rows = []
+    for claim in FRONTIER_CLAIMS:
+        def key(p: dict, task=claim.task) -> str | None:
+            return frontier_method(p) if frontier_task(p) == task else None
+
+        records = headline_by(s, key)
+        scores = run_window_mean(s, next(iter(records.values()))["metric"], *claim.window, key) if records else {}
+        lower = bool(records) and lower_is_better(next(iter(records.values()))["metric"])
+        digits = 2 if lower else 3
+
+        def measured(method: str) -> str:
+            if method not in scores:
+                return "–"
+            w = scores[method]
+            text = num(w["mean"], digits)
+            if w["n"] > 1:
+                text += f" ({num(w['min'], digits)}–{num(w['max'], digits)})"
+            return text + ("" if w["n"] > 1 else ", 1 seed")
+
+        measured_baselines = [b for b in claim.baselines if b in scores]
+        baseline = (min if lower else max)(measured_baselines, key=lambda b: scores[b]["mean"]) \
+            if measured_baselines else claim.baselines[0]
+        if claim.method in scores and baseline in scores:
+            ours, theirs = scores[claim.method]["mean"], scores[baseline]["mean"]
+            verdict = "tie" if f"{ours:.{digits}f}" == f"{theirs:.{digits}f}" else (
+                "yes" if (ours < theirs) == lower else "no")
+        else:
+            verdict = "–"
+        where = "at N" if claim.window[1] == 1 else "(N, 2N]"
+        rows.append([f"`{claim.method}`", claim.paper, claim.task.replace("_", " "), where, measured(claim.method),
+                     f"`{baseline}` {measured(baseline)}", verdict])
+    header = ["method", "the paper's claim", "task", "where", "measured", "against (the best of its baselines)",
+              "reproduced"]
+    return table(header, rows, ["---", "---", "---", "---", "---:", "---:", "---"])
+
+
 def frontier_copy() -> str:
     return frontier("copy")
 
@@ -468,7 +545,7 @@ def frontier_flip_flop_sparse() -> str:
 TABLES = {f.__name__.replace("_", "-"): f for f in (
     glance, core_copy_sort, catalogue_copy, randomized_copy, chomsky_encoder, kazemnejad_causal, addition_20k,
     grid_extrapolation, scale_study, scale_study_eos, scale_study_medium, report_sweep, lm_extrapolation,
-    lm_extrapolation_sliding, lm_memory, rope_scaling, rope_finetune, frontier_glance, frontier_copy, frontier_flip_flop_sparse)}
+    lm_extrapolation_sliding, lm_memory, rope_scaling, rope_finetune, frontier_glance, frontier_claims, frontier_copy, frontier_flip_flop_sparse)}
 
 
 def pages() -> list[Path]:
