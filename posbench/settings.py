@@ -235,6 +235,8 @@ ADDED_PARAMETERS = {
     "encoding.rotary_fraction": 1.0,  # rope's (and self_extend's, which came later)
     "encoding.frequency_fraction": 1.0, "encoding.frequency_cut": "none",  # rope's (p-RoPE, HoPE)
     "encoding.short_factors": None, "encoding.long_factors": None,  # rope's (longrope)
+    "encoding.start_positions": 0,  # rope's (longrope's start tokens)
+    "encoding.scale_base": None,  # self_extend's query log-scale (xpos's own scale_base is never null)
     "task.eos": False,  # copy's, reverse's and sort's
 }
 

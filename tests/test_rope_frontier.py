@@ -1,5 +1,6 @@
 """The rope settings of 2024-25: p-RoPE (encoding.frequency_fraction), HoPE (encoding.frequency_cut=hope)
-and LongRoPE (encoding.scaling=longrope with short_factors / long_factors). Formulas in float64, the
+and LongRoPE (encoding.scaling=longrope with short_factors / long_factors, and its start positions
+against the official start-token rule written out one position at a time). Formulas in float64, the
 difference from partial rotation, the defaults as before the settings existed, refusals, the config
 hash, and equivalence with transformers' proportional and longrope rules and with Gemma's
 rope_proportion rule written out here (transformers tests skipped when it is missing)."""
@@ -12,6 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from posbench.encodings import REGISTRY
 from posbench.encodings.rope import SCALINGS, RoPE, rope_inv_freq, rotate
 from posbench.runinfo import ADDED_SETTINGS, config_hash, group_config
 from tests.helpers import compose_cfg, make_encoding, random_qk, rope_dims
@@ -302,6 +304,93 @@ def test_longrope_matches_transformers(seq_len, fraction):
     assert enc.attention_factor == pytest.approx(their_factor, rel=1e-12)
 
 
+def naive_longrope(x: torch.Tensor, pos: torch.Tensor, scaled: list[float], factor: float, start: int, layout: str,
+                   rotary_dim: int, kept: int) -> torch.Tensor:
+    """microsoft/LongRoPE's start-token class one position at a time: cos and sin of the scaled
+    frequencies times the factor, their first `start` rows replaced by plain rope's (theta_m, no
+    factor). Pairs m >= kept never turn; features past rotary_dim pass through, times the factor as
+    posbench scales the whole q and k. x: [B, H, L, d], pos: [B', L] -> [B, H, L, d], float64."""
+    out = x.clone()
+    for b in range(x.shape[0]):
+        for t in range(x.shape[2]):
+            position = pos[b if pos.shape[0] > 1 else 0, t].item()
+            gain = 1.0 if position < start else factor
+            out[b, :, t] = x[b, :, t] * gain
+            for m, (i, j) in enumerate(pairs(rotary_dim, layout)):
+                frequency = 0.0 if m >= kept else theta(m, rotary_dim) if position < start else scaled[m]
+                cos, sin = math.cos(position * frequency), math.sin(position * frequency)
+                xi, xj = x[b, :, t, i], x[b, :, t, j]
+                out[b, :, t, i] = gain * (xi * cos - xj * sin)
+                out[b, :, t, j] = gain * (xi * sin + xj * cos)
+    return out
+
+
+@pytest.mark.parametrize("fraction,p", [(1.0, 1.0), (0.5, 0.75)])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_longrope_start_positions_match_the_official_rule(layout, fraction, p):
+    """n̂ = 5: positions 0-4 turn by theta_m at factor 1, the others by theta_m / lambda_m at m past N, in
+    training and within N by theta_m / lambda_short at 1; partial rotation and p-RoPE's cut hold for both."""
+    rotary = round(HEAD_DIM * fraction)
+    short, long = SHORT[:rotary // 2], LONG[:rotary // 2]
+    kept = math.floor(p * rotary / 2)
+    enc = RoPE(dims(train_positions=16), layout=layout, scaling="longrope", rotary_fraction=fraction,
+               frequency_fraction=p, short_factors=short, long_factors=long, start_positions=5).double()
+    q, k = qk_pair()
+    pos = torch.stack([torch.arange(SEQ), torch.arange(SEQ) * 3 + 2])  # [B, L]: starts 0-4, then 2
+    factor = math.sqrt(1 + math.log(4) / math.log(16))  # L = 64, N = 16
+    for length, lambdas, gain in ((None, short, 1.0), (64, long, factor), (16, short, 1.0)):
+        if length is not None:  # None: as built, training's
+            enc.eval()
+            enc.set_eval_length(16, length)
+        scaled = [theta(m, rotary) / lambdas[m] for m in range(rotary // 2)]
+        for x, got in zip((q, k), enc.qk(q, k, pos, pos, 0)):
+            torch.testing.assert_close(got, naive_longrope(x, pos, scaled, gain, 5, layout, rotary, kept),
+                                       rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("length", [16, 64])
+def test_longrope_without_start_positions_is_the_plain_rule_bit_for_bit(length):
+    """n̂ = 0 (the default), or n̂ below every position fed: theta_m / lambda_m and m everywhere, as before."""
+    plain = RoPE(dims(train_positions=16), scaling="longrope", short_factors=SHORT, long_factors=LONG).double()
+    started = RoPE(dims(train_positions=16), scaling="longrope", short_factors=SHORT, long_factors=LONG,
+                   start_positions=5).double()
+    assert plain.params()["start_positions"] == 0 and started.params()["start_positions"] == 5
+    inv_freq, factor = SCALINGS["longrope"](HEAD_DIM, 10000.0, 16, length, None, SHORT, LONG)
+    q, k = qk_pair()
+    pos = torch.arange(SEQ)[None] + 5
+    for enc in (plain, started):
+        enc.eval()
+        enc.set_eval_length(16, length)
+        for x, got in zip((q, k), enc.qk(q, k, pos, pos, 0)):
+            assert torch.equal(got, rotate(x, pos, inv_freq, "half") * factor)
+    assert plain.relative and not started.relative
+
+
+def test_longrope_start_positions_are_not_relative_while_the_rest_is_scaled():
+    """A key below n̂ meets a later query at m q_i . R(i theta / lambda - j theta) k_j: shifting every position
+    moves the logits, and `relative` says so past N, and within N (training too) with short factors; within
+    N without short factors every position has theta_m and factor 1, and n̂ changes nothing."""
+    q, k = qk_pair()
+
+    def shift_change(enc) -> float:
+        def logits(shift):
+            pos = torch.arange(SEQ)[None] + shift
+            rq, rk = enc.qk(q, k, pos, pos, 0)
+            return rq @ rk.transpose(-1, -2)  # [B, H, L, L]
+        return max((logits(shift) - logits(0)).abs().max().item() for shift in (1, 37))
+
+    enc = RoPE(dims(train_positions=16), scaling="longrope", start_positions=4).double()
+    assert enc.relative and shift_change(enc) < 1e-9
+    enc.eval()
+    enc.set_eval_length(16, 64)
+    assert not enc.relative and shift_change(enc) > 1e-6
+    enc.train()
+    assert enc.relative
+    short = RoPE(dims(train_positions=16), scaling="longrope", short_factors=SHORT, start_positions=4).double()
+    assert not short.relative and shift_change(short) > 1e-6
+    assert REGISTRY["rope"].relative and RoPE(dims(), scaling="longrope").relative
+
+
 # --- settings: refusals, the command line, params, the config hash ------------------------------
 
 @pytest.mark.parametrize("params,message", [
@@ -318,6 +407,11 @@ def test_longrope_matches_transformers(seq_len, fraction):
     ({"scaling": "longrope", "short_factors": [1.0] * 7 + [0.0]}, r"encoding.short_factors\[7\]=0.0: must be > 0"),
     ({"scaling": "longrope", "long_factors": "big"},
      r"encoding.long_factors='big': must be a non-empty list of numbers, or null \(every lambda_m = s\)"),
+    ({"start_positions": 4}, r"rope: encoding.start_positions=4 has no effect with scaling=none; set "
+                             r"encoding.scaling=longrope or drop the start positions \(0\)"),
+    ({"scaling": "yarn", "start_positions": 2}, "encoding.start_positions=2 has no effect with scaling=yarn"),
+    ({"scaling": "longrope", "start_positions": -1}, r"rope: encoding.start_positions=-1: must be >= 0"),
+    ({"scaling": "longrope", "start_positions": 2.5}, r"rope: encoding.start_positions=2.5: must be an integer >= 0"),
 ])
 def test_bad_settings_are_refused(params, message):
     with pytest.raises(ValueError, match=message):
@@ -333,11 +427,12 @@ def test_settings_from_the_command_line_and_in_a_composite():
     from posbench.build import build
 
     built = build(compose_cfg("encoding=rope", "encoding.frequency_fraction=0.5", "encoding.frequency_cut=hope",
-                              "encoding.scaling=longrope", "encoding.long_factors=[1,1,2,2,4,4,8,8]"),
-                  torch.device("cpu"))
+                              "encoding.scaling=longrope", "encoding.long_factors=[1,1,2,2,4,4,8,8]",
+                              "encoding.start_positions=4"), torch.device("cpu"))
     params = built.encoding.params()  # model=small: head size 16, 8 pairs
     assert (params["frequency_fraction"], params["frequency_cut"]) == (0.5, "hope")
     assert params["long_factors"] == [1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0, 8.0] and params["short_factors"] is None
+    assert params["start_positions"] == 4 and "start_positions" not in RoPE(dims()).params()  # longrope's only
     assert built.encoding.kept_pairs <= 4
     composite = make_encoding("composite", d_model=64, n_heads=2, parts=["rope", "t5"],
                               part_params={"rope": {"frequency_fraction": 0.25}})
@@ -345,7 +440,8 @@ def test_settings_from_the_command_line_and_in_a_composite():
 
 
 @pytest.mark.parametrize("key,other", [("encoding.frequency_fraction", 0.5), ("encoding.frequency_cut", "hope"),
-                                       ("encoding.short_factors", [1.0] * 4), ("encoding.long_factors", [2.0] * 4)])
+                                       ("encoding.short_factors", [1.0] * 4), ("encoding.long_factors", [2.0] * 4),
+                                       ("encoding.start_positions", 4)])
 def test_new_settings_keep_old_hashes_and_separate_new_runs(key, other):
     """At their defaults the settings drop out of the group (runs made before them keep their hash);
     any other value is part of it."""

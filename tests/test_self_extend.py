@@ -1,7 +1,8 @@
 """SelfExtend (encoding=self_extend): against a naive attention written here from the paper's rule
 (every pair's logit from rotations at absolute, then grouped, positions; a where; one softmax), rope
 in training and within the training length bit for bit, chunked evaluation as one pass, the trait
-and the refusals."""
+and the refusals; the optional query log-scale (scale_base) against the official formula written out
+one query at a time."""
 from __future__ import annotations
 
 import math
@@ -12,6 +13,7 @@ import torch
 from posbench.attention import get_backend
 from posbench.attention.context import AttentionCall
 from posbench.attention.eager import EagerBackend
+from posbench.attention.layer import query_key_hooks
 from posbench.encodings import REGISTRY
 from posbench.encodings.base import ModelDims
 from posbench.encodings.self_extend import SelfExtend
@@ -63,6 +65,17 @@ def naive_self_extend(q, k, v, q_pos, k_pos, group: int, window: int, causal: bo
     return out.softmax(-1) @ v
 
 
+def naive_log_scaled(q: torch.Tensor, q_pos: torch.Tensor, scale_base: int) -> torch.Tensor:
+    """LongLM's scaled_query: q_i times max(ln(i + 1) / ln b, 1), one query at a time, in float64.
+    q: [B, H, Lq, d], q_pos: [B', Lq] -> [B, H, Lq, d]."""
+    out = q.clone()
+    for b in range(q.shape[0]):
+        for i in range(q.shape[2]):
+            position = q_pos[b if q_pos.shape[0] > 1 else 0, i].item()
+            out[b, :, i] = q[b, :, i] * max(math.log(position + 1) / math.log(scale_base), 1.0)
+    return out
+
+
 def extended(enc: SelfExtend, length: int) -> SelfExtend:
     enc.eval()
     enc.set_eval_length(enc.dims.train_positions, length)
@@ -99,6 +112,46 @@ def test_queries_after_a_memory_match_the_naive_rule():
     rq, rk = enc.qk(q, k, q_pos, k_pos, 0)
     got = EagerBackend().attend(rq, rk, v, AttentionCall(enc, q_pos, k_pos, 0, True))
     torch.testing.assert_close(got, naive_self_extend(q, k, v, q_pos, k_pos, 4, 8, True), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("scale_base", [2, 16, TRAIN])
+def test_query_log_scale_matches_the_official_formula(scale_base, causal):
+    """scale_base b: every query, neighbour and grouped logits alike, times max(ln(i + 1) / ln b, 1) (the
+    official position_ids + 1, natural logs, clip at 1), through the hooks as attention runs them."""
+    enc = extended(SelfExtend(dims(causal=causal), group_size=4, window=6, scale_base=scale_base).double(), 96)
+    q, k, v = qkv(40, 40)
+    for pos in (torch.arange(40)[None], torch.stack([torch.arange(40) + 7, torch.arange(40) * 2 + 100])):
+        call = AttentionCall(enc, pos, pos, 0, causal, x=torch.zeros(2, 40, HEADS * HEAD_DIM, dtype=torch.float64))
+        assert enc.query_scale(call).max() > 1  # some queries past b
+        rq, rk = query_key_hooks(q, k, call)
+        got = EagerBackend().attend(rq, rk, v, call)
+        expected = naive_self_extend(naive_log_scaled(q, pos, scale_base), k, v, pos, pos, 4, 6, causal)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+
+
+def test_query_log_scale_acts_only_while_extending_and_is_the_identity_when_off():
+    """Off (null) and in training or within N: the model is rope bit for bit; past N a base above every
+    position + 1 clips every factor to 1 (bit for bit the model without it), b = N changes the outputs."""
+    rope, scaled = model_pair(group_size=4, window=8, scale_base=TRAIN)
+    _, plain = model_pair(group_size=4, window=8)
+    _, clipped = model_pair(group_size=4, window=8, scale_base=1000)
+    assert scaled.encoding.hooks == {"qk", "query_scale", "logit_transform"}
+    assert plain.encoding.hooks == SelfExtend.hooks == {"qk", "logit_transform"}
+    ids = torch.randint(0, 11, (2, 80), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(80)[None]
+    scaled.encoding.set_eval_length(TRAIN, 80)  # ignored in train mode
+    assert torch.equal(scaled(ids, pos), rope(ids, pos))
+    for model in (rope, scaled, plain, clipped):
+        model.eval()
+    scaled.encoding.set_eval_length(TRAIN, TRAIN)
+    assert torch.equal(scaled(ids[:, :TRAIN], pos[:, :TRAIN]), rope(ids[:, :TRAIN], pos[:, :TRAIN]))
+    for model in (scaled, plain, clipped):
+        model.encoding.set_eval_length(TRAIN, 80)
+    call = AttentionCall(plain.encoding, pos, pos, 0, True)
+    assert plain.encoding.query_scale(call) is None and clipped.encoding.query_scale(call).eq(1).all()
+    assert torch.equal(clipped(ids, pos), plain(ids, pos))
+    assert (scaled(ids, pos) - plain(ids, pos)).abs().max() > 1e-6
 
 
 def test_far_keys_see_grouped_distances_and_near_keys_plain_rope():
@@ -144,9 +197,10 @@ def test_training_and_the_training_length_are_rope_bit_for_bit(causal):
     assert torch.equal(self_extend(ids, pos), rope(ids, pos))
 
 
+@pytest.mark.parametrize("scale_base", [None, 16])
 @pytest.mark.parametrize("causal", [True, False])
-def test_chunked_evaluation_equals_one_pass(causal):
-    _, model = model_pair(causal, group_size=4, window=8)
+def test_chunked_evaluation_equals_one_pass(causal, scale_base):
+    _, model = model_pair(causal, group_size=4, window=8, scale_base=scale_base)
     model.eval()
     model.encoding.set_eval_length(TRAIN, 70)
     ids = torch.randint(0, 11, (2, 70), generator=torch.Generator().manual_seed(2))
@@ -194,7 +248,9 @@ def test_a_composite_part_keeps_its_bias_on_far_keys():
 def test_window_defaults_to_a_quarter_of_the_training_positions_and_params_record_it():
     enc = SelfExtend(dims(train_positions=40))
     assert enc.window == 10 and enc.shift == 10 - 10 / 8
-    assert enc.params() == {"base": 10000.0, "layout": "half", "rotary_fraction": 1.0, "group_size": 8, "window": 10}
+    assert enc.params() == {"base": 10000.0, "layout": "half", "rotary_fraction": 1.0, "group_size": 8, "window": 10,
+                            "scale_base": None}
+    assert SelfExtend(dims(), scale_base=4096).params()["scale_base"] == 4096
     assert SelfExtend(dims(train_positions=3)).window == 1
 
 
@@ -207,6 +263,9 @@ def test_window_defaults_to_a_quarter_of_the_training_positions_and_params_recor
                      r"or null \(8\)"),
     ({"layout": "bogus"}, r"self_extend: encoding.layout='bogus' is not valid; choose one of \['half', 'interleaved'\]"),
     ({"rotary_fraction": 0.03}, "self_extend: encoding.rotary_fraction=0.03 rotates"),
+    ({"scale_base": 1}, r"self_extend: encoding.scale_base=1: must be >= 2, or null \(off, the official default\)"),
+    ({"scale_base": -1}, r"self_extend: encoding.scale_base=-1: must be >= 2"),
+    ({"scale_base": 4096.5}, r"self_extend: encoding.scale_base=4096.5: must be an integer >= 2"),
 ])
 def test_bad_settings_are_refused(params, message):
     with pytest.raises(ValueError, match=message):
@@ -223,7 +282,8 @@ def test_runs_on_the_eager_backend_only():
 def test_builds_from_the_command_line():
     from posbench.build import build
 
-    built = build(compose_cfg("encoding=self_extend", "encoding.group_size=4", "encoding.window=3"),
-                  torch.device("cpu"))
+    built = build(compose_cfg("encoding=self_extend", "encoding.group_size=4", "encoding.window=3",
+                              "encoding.scale_base=64"), torch.device("cpu"))
     assert built.encoding.params()["group_size"] == 4 and built.encoding.window == 3
+    assert built.encoding.scale_base == 64 and "query_scale" in built.encoding.hooks
     assert built.model.blocks[0].attn.backend.name == "eager"

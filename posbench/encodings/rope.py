@@ -28,7 +28,9 @@ when L > N (or a forced `scaling_factor`):
   longrope     LongRoPE (Ding et al. 2024) in Phi-3's form: theta_m / lambda_m with given per-pair
                factor vectors, `short_factors` while L <= N and `long_factors` past N (strictly);
                past N the attention factor sqrt(1 + ln s / ln N). The one scaling that acts within
-               N too (its short factors, in training as well); its attention factor stays 1 there
+               N too (its short factors, in training as well); its attention factor stays 1 there.
+               `start_positions` n̂ (the paper's start tokens, default 0): positions < n̂ keep
+               theta_m and factor 1 wherever the rest is scaled (below)
 With f = 1 (no forced factor), ntk and dynamic_ntk give the same base at every length,
 since each evaluation runs whole sequences of one length; a forced factor separates them
 (ntk keeps base * f^(d/(d-2)) at every L > N, dynamic_ntk grows from base at L = N).
@@ -44,6 +46,15 @@ training and in evaluation, whatever the scaling:
                turn within the training positions N, theta_m < 2 pi / N, stop turning (N: the
                model's train_positions, never the evaluation length)
 With both, the fewer K wins. p = 1 and cut none leave every frequency as it was.
+
+LongRoPE's start positions (microsoft/LongRoPE, `longrope` branch,
+rope/LlamaLongRoPEScaledStartTokenRotaryEmbedding.py): the first n̂ rows of the scaled cos and sin
+(which carry the attention factor m) are overwritten by plain rope's (no factor). So a position
+k < n̂ rotates by k theta_m at factor 1 (the kept pairs as everywhere), k >= n̂ by k theta_m / lambda_m
+at factor m. A key j < n̂ meets a query i >= n̂ as m q_i . R(i theta / lambda - j theta) k_j: no
+longer a function of i - j, so such an encoding is not `relative` while its frequencies or factor
+differ from rope's: past N, and within N (training included) with short factors, as the official class
+splits at every length; within N without short factors n̂ changes nothing.
 """
 from __future__ import annotations
 
@@ -160,7 +171,7 @@ def longrope(head_dim: int, base: float, train_positions: int, eval_positions: i
     forced factor (Phi-3 takes it from the configured target length), multiplying cos and sin, so the
     logits by m^2. Within N: the short factors and m = 1 (the trained model). Unset factors: short
     lambda = 1 (theta_m), long lambda = s for every pair (position interpolation, where LongRoPE's
-    search starts). The first-n-hat-positions rule of the paper is not applied."""
+    search starts). The start positions act per position, not per pair: RoPE.place."""
     theta = rope_inv_freq(head_dim, base)  # [d/2]
     if eval_positions <= train_positions:
         return (theta if short_factors is None else theta / torch.tensor(short_factors, dtype=torch.float64)), 1.0
@@ -209,7 +220,8 @@ class RoPE(Encoding):
     rotary_fraction: the share of each head's features that rotate (the first ones); 1 rotates all.
     frequency_fraction, frequency_cut: which rotated pairs keep their frequency (p-RoPE, HoPE; the
     module docstring); the others get frequency 0.
-    short_factors, long_factors: longrope's lambda_m, one per rotated pair (null: 1, and s)."""
+    short_factors, long_factors: longrope's lambda_m, one per rotated pair (null: 1, and s).
+    start_positions: longrope's n̂, the first positions kept at rope's theta_m and factor 1 (0: none)."""
 
     name = "rope"
     hooks = frozenset({"qk"})
@@ -218,7 +230,8 @@ class RoPE(Encoding):
     def __init__(self, dims: ModelDims, base: float = 10000.0, layout: str = "half", scaling: str = "none",
                  scaling_factor: float | None = None, original_positions: int | None = None,
                  rotary_fraction: float = 1.0, frequency_fraction: float = 1.0, frequency_cut: str = "none",
-                 short_factors: list[float] | None = None, long_factors: list[float] | None = None):
+                 short_factors: list[float] | None = None, long_factors: list[float] | None = None,
+                 start_positions: int = 0):
         super().__init__(dims)
         check_choice(self.name, "encoding.layout", layout, LAYOUTS)
         check_choice(self.name, "encoding.scaling", scaling, SCALINGS)
@@ -229,6 +242,7 @@ class RoPE(Encoding):
                                                                            original_positions, self.name)
         rotary_fraction = Real(above=0, most=1)("encoding.rotary_fraction", rotary_fraction, self.name)
         frequency_fraction = Real(least=0, most=1)("encoding.frequency_fraction", frequency_fraction, self.name)
+        start_positions = Integer(0)("encoding.start_positions", start_positions, self.name)
         if dims.head_dim % 2:
             raise ValueError(f"{self.name} rotates feature pairs and needs an even head size, got "
                              f"model.d_model / model.n_heads = {dims.d_model}/{dims.n_heads} = {dims.head_dim}; "
@@ -239,6 +253,9 @@ class RoPE(Encoding):
         if original_positions is not None and scaling == "none":
             raise ValueError(f"rope: encoding.original_positions={original_positions} needs a scaling among "
                              f"{[s for s in SCALINGS if s != 'none']}")
+        if start_positions and scaling != "longrope":
+            raise ValueError(f"rope: encoding.start_positions={start_positions} has no effect with scaling={scaling}; "
+                             "set encoding.scaling=longrope or drop the start positions (0)")
         self.rotary_dim = round(rotary_fraction * dims.head_dim)
         if self.rotary_dim < 2 or self.rotary_dim % 2:
             raise ValueError(f"{self.name}: encoding.rotary_fraction={rotary_fraction} rotates round({rotary_fraction}"
@@ -249,10 +266,13 @@ class RoPE(Encoding):
         self.original_positions, self.scaling_factor = original_positions, scaling_factor
         self.base, self.layout, self.scaling, self.rotary_fraction = base, layout, scaling, rotary_fraction
         self.frequency_fraction, self.frequency_cut = frequency_fraction, frequency_cut
+        self.start_positions = start_positions
         self.kept_pairs = kept_pairs(self.rotary_dim, base, frequency_fraction, frequency_cut, dims.train_positions)
         reference = original_positions or dims.train_positions
         self.frequencies(scaling, reference, 2 * reference)  # a bad setting fails before training
         self.register_buffer("inv_freq", rope_inv_freq(self.rotary_dim, self.base), persistent=False)
+        if start_positions:  # rope's theta_m (the kept pairs' cut applied) for the positions below n̂
+            self.register_buffer("start_freq", self.frequencies("none", reference, reference)[0], persistent=False)
         self.attention_factor = 1.0
         self.set_eval_length(dims.train_positions, dims.train_positions)  # training's frequencies
 
@@ -273,7 +293,8 @@ class RoPE(Encoding):
         return {"base": self.base, "layout": self.layout, "scaling": self.scaling,
                 "scaling_factor": self.scaling_factor, "original_positions": self.original_positions,
                 "rotary_fraction": self.rotary_fraction, "frequency_fraction": self.frequency_fraction,
-                "frequency_cut": self.frequency_cut, **self.factor_lists}
+                "frequency_cut": self.frequency_cut, **self.factor_lists,
+                **({"start_positions": self.start_positions} if self.scaling == "longrope" else {})}  # its only use
 
     def frequencies(self, scaling: str, train_positions: int, eval_positions: int) -> tuple[torch.Tensor, float]:
         """The scaling's (inv_freq [d'/2] float64, attention factor), the pairs past kept_pairs at frequency 0."""
@@ -290,21 +311,36 @@ class RoPE(Encoding):
         scaling = self.scaling if eval_positions > reference or self.scaling in WITHIN_TRAINING else "none"
         inv_freq, self.attention_factor = self.frequencies(scaling, reference, eval_positions)
         self.inv_freq = inv_freq.to(device=self.inv_freq.device, dtype=self.inv_freq.dtype)
+        self.split_start = False  # LongRoPE's start positions differ from the rest only while the rest is scaled
+        if self.start_positions:
+            unscaled, _ = self.frequencies("none", reference, eval_positions)  # [d'/2]
+            self.split_start = self.attention_factor != 1.0 or not torch.equal(inv_freq, unscaled)
+        self.relative = not self.split_start  # split: a key below n̂ and a later query are not a function of i - j
 
     def train(self, mode: bool = True):
         if mode:  # training: unscaled, or scaled to its own length past original_positions
             self.set_eval_length(self.dims.train_positions, self.dims.train_positions)
         return super().train(mode)
 
-    def rotate_head(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Rotates the first rotary_dim features, the rest pass through. x: [B, H, L, d] -> [B, H, L, d]."""
+    def rotate_head(self, x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotates the first rotary_dim features by inv_freq (default: the current frequencies), the rest
+        pass through. x: [B, H, L, d], pos: [B', L] -> [B, H, L, d]."""
+        inv_freq = self.inv_freq if inv_freq is None else inv_freq
         if self.rotary_dim == x.shape[-1]:
-            return rotate(x, pos, self.inv_freq, self.layout)
-        rotated = rotate(x[..., :self.rotary_dim], pos, self.inv_freq, self.layout)  # [B, H, L, d']
+            return rotate(x, pos, inv_freq, self.layout)
+        rotated = rotate(x[..., :self.rotary_dim], pos, inv_freq, self.layout)  # [B, H, L, d']
         return torch.cat((rotated, x[..., self.rotary_dim:]), dim=-1)  # [B, H, L, d]
 
-    def qk(self, q, k, q_pos, k_pos, layer):
-        q, k = self.rotate_head(q, q_pos), self.rotate_head(k, k_pos)
+    def place(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x rotated at pos and times the attention factor; LongRoPE's start positions (pos < n̂) rotated
+        by rope's theta_m at factor 1 instead. x: [B, H, L, d], pos: [B', L] -> [B, H, L, d]."""
+        placed = self.rotate_head(x, pos)
         if self.attention_factor != 1.0:  # YaRN, LongRoPE: q and k scaled, so the logits by its square
-            q, k = q * self.attention_factor, k * self.attention_factor
-        return q, k
+            placed = placed * self.attention_factor
+        if self.split_start:
+            start = (pos < self.start_positions)[:, None, :, None]  # [B', 1, L, 1]
+            placed = torch.where(start, self.rotate_head(x, pos, self.start_freq), placed)  # [B, H, L, d]
+        return placed
+
+    def qk(self, q, k, q_pos, k_pos, layer):
+        return self.place(q, q_pos), self.place(k, k_pos)

@@ -15,12 +15,22 @@ so the logits are not shift invariant while extending (`relative` says so then).
 Bidirectional models (the paper's are causal) group the keys right of the window too, j - i >= W,
 as the mirror image: q_i . R(floor(i/G) - floor(j/G) - (W - W/G)) k_j.
 
+Optional query log-scale (scale_base b; null: off, as the official default -1): while extending, q_i
+is multiplied by max(ln(i + 1) / ln b, 1) in both logit matrices (the official
+`scaled_query = query_states * ((position_ids + 1).log() / np.log(scale_base)).clip(1)`, then rotated
+for the neighbour and the grouped part alike; a scalar commutes with the rotation). SelfExtend.py's
+apply() sets b to the pretraining length (N here), so the factor is 1 up to N; within N and in
+training the model stays plain rope whatever b.
+
 Hooks: qk is rope's own (so training is rope on any backend's terms, and a composite keeps its one
-rotation); logit_transform moves the rotated q and k on to their grouped positions, R(g - i) R(i) =
-R(g), and replaces only the rotary term of the far pairs: a composite part's bias, decay or key term
-stays. logit_transform runs on the eager backend only.
+rotation); query_scale (declared only with scale_base) scales the rotated q; logit_transform moves
+the rotated q and k on to their grouped positions, R(g - i) R(i) = R(g), and replaces only the rotary
+term of the far pairs: a composite part's bias, decay or key term stays. logit_transform runs on the
+eager backend only.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -32,14 +42,15 @@ from posbench.encodings.rope import RoPE
 class SelfExtend(RoPE):
     """group_size G and window W as in the module docstring; window null: a quarter of the training
     positions (the paper's W = 1024 of Llama-2's 4096), at most the training positions (the neighbour
-    window keeps plain rope, whose distances must have been trained)."""
+    window keeps plain rope, whose distances must have been trained). scale_base b: the query log-scale
+    max(ln(i + 1) / ln b, 1) while extending (the module docstring); null: off."""
 
     name = "self_extend"
     hooks = frozenset({"qk", "logit_transform"})
     relative = True  # in training and within the training length: rope
 
     def __init__(self, dims: ModelDims, base: float = 10000.0, layout: str = "half", rotary_fraction: float = 1.0,
-                 group_size: int = 8, window: int | None = None):
+                 group_size: int = 8, window: int | None = None, scale_base: int | None = None):
         super().__init__(dims, base=base, layout=layout, rotary_fraction=rotary_fraction)
         self.group_size = Integer(1)("encoding.group_size", group_size, self.name)
         default = max(1, dims.train_positions // 4)
@@ -51,10 +62,14 @@ class SelfExtend(RoPE):
                              f"trained; choose 1 <= window <= {dims.train_positions}, or null ({default})")
         self.window = default if window is None else window
         self.shift = self.window - self.window / self.group_size  # W - W/G
+        # ln b must be > 0: b = 1 divides by 0, b < 1 gives factors <= 0, clipped to 1 (off)
+        self.scale_base = Integer(2, null="off, the official default")("encoding.scale_base", scale_base, self.name)
+        if self.scale_base is not None:
+            self.hooks = self.hooks | {"query_scale"}
 
     def params(self) -> dict:
         return {"base": self.base, "layout": self.layout, "rotary_fraction": self.rotary_fraction,
-                "group_size": self.group_size, "window": self.window}
+                "group_size": self.group_size, "window": self.window, "scale_base": self.scale_base}
 
     def set_eval_length(self, train_positions: int, eval_positions: int) -> None:
         super().set_eval_length(train_positions, eval_positions)  # rope's theta_m
@@ -65,6 +80,13 @@ class SelfExtend(RoPE):
         """x rotated at pos -> rotated at floor(pos/G) + shift. x: [B, H, L, d], pos: [B', L] -> [B, H, L, d]."""
         grouped = torch.div(pos, self.group_size, rounding_mode="floor").double() + shift  # [B', L]
         return self.rotate_head(x, grouped - pos.double())
+
+    def query_scale(self, call):
+        if self.scale_base is None or self.training or not self.extending:
+            return None
+        dtype = torch.float32 if call.x is None else call.x.dtype
+        log_scale = (call.q_pos + 1).double().log() / math.log(self.scale_base)  # ln(i + 1) / ln b: [B', Lq]
+        return log_scale.clamp(min=1).to(dtype)[:, None, :, None]  # [B', 1, Lq, 1]
 
     def logit_transform(self, logits, q, k, call):
         if self.training or not self.extending:
