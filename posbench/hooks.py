@@ -2,7 +2,7 @@
 with the backends that run it and how a composite combines its parts' hooks. Backends,
 validation, composites and the layer read this table; nothing else names the order.
 
-    embed (model input) -> qk -> query_scale -> logits = q.k^T * scale + decay + bias + key_term
+    embed (model input) -> kv -> qk -> query_scale -> logits = q.k^T * scale + decay + bias + key_term
     -> logit_transform -> mask -> normalize (softmax by default) -> prob -> p.V + value_term -> output
 
 Hooks that see content receive the call (`posbench.attention.context.AttentionCall`): the
@@ -27,6 +27,8 @@ class Hook:
 
 HOOKS: dict[str, Hook] = {hook.name: hook for hook in (
     Hook("embed", "position vectors on the token embedding (model input)", ALL_BACKENDS, False, "sum"),
+    Hook("kv", "keys and values mixed along time from the layer's input, before qk (FoX Pro's token shifts)",
+         ALL_BACKENDS, False, "sequence"),
     Hook("qk", "a position-dependent transform of q and k (rotations)", ALL_BACKENDS, False, "one"),
     Hook("query_scale", "q times a factor per query and head (keys seen: SSMax, temperature)",
          ALL_BACKENDS, False, "product"),

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from posbench.attention import Attention, AttentionCall, PositionContext, get_backend
 from posbench.encodings.alibi import alibi_slopes
 from posbench.model import ModelConfig, Transformer
-from tests.helpers import make_encoding
+from tests.helpers import assert_chunks_equal_one_pass, assert_recurrence_equals_one_pass, make_encoding
 
 D_MODEL, HEADS, LENGTH = 16, 2, 9
 HEAD = D_MODEL // HEADS
@@ -22,11 +22,26 @@ def fox_by_hand(x, attn, gate):
     return fox_heads_by_hand(x, attn, gate) @ attn.out.weight.T
 
 
-def fox_heads_by_hand(x, attn, gate):
+def shifted_by_hand(t, x, weight):
+    """The official ShiftLinear after the projection, one token at a time: t_i <- a_i t_{i-1} + (1 - a_i) t_i
+    per head, a_i = sigmoid(w . x_i), t_{-1} = 0. t: [B, L, H, d], weight: [H, D]."""
+    a = torch.sigmoid(x @ weight.T)  # [B, L, H]
+    out = torch.zeros_like(t)
+    for s in range(t.shape[0]):
+        for i in range(t.shape[1]):
+            previous = t[s, i - 1] if i else torch.zeros_like(t[s, i])
+            out[s, i] = a[s, i, :, None] * previous + (1 - a[s, i, :, None]) * t[s, i]
+    return out
+
+
+def fox_heads_by_hand(x, attn, gate, k_shift=None, v_shift=None):
     """The heads' output [B, L, D] before the projection:
-    o_i = sum_{j<=i} softmax_j(q_i.k_j / sqrt(d) + sum_{l=j+1..i} log f_l) v_j, f_l = sigmoid(w . x_l + b)."""
+    o_i = sum_{j<=i} softmax_j(q_i.k_j / sqrt(d) + sum_{l=j+1..i} log f_l) v_j, f_l = sigmoid(w . x_l + b);
+    k and v shifted first where their shift weights are given."""
     b, length, _ = x.shape
     q, k, v = (t.view(b, length, HEADS, HEAD) for t in (x @ attn.qkv.weight.T).split(D_MODEL, dim=-1))
+    k = k if k_shift is None else shifted_by_hand(k, x, k_shift)
+    v = v if v_shift is None else shifted_by_hand(v, x, v_shift)
     log_f = F.logsigmoid(x @ gate.weight.T + gate.bias)  # [B, L, H]
     out = torch.zeros(b, length, HEADS, HEAD, dtype=x.dtype)
     for s in range(b):
@@ -82,6 +97,36 @@ def test_fox_pro_output_norm_and_gate_follow_the_official_layer(backend):
         got = attn(x, PositionContext(enc, torch.arange(LENGTH)[None]))
     torch.testing.assert_close(got, gated @ attn.out.weight.T, rtol=0, atol=1e-12)
     assert enc.hooks == {"decay", "output"} and enc.params()["output_gate"] is True
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("shifts", [("k",), ("v",), ("k", "v")])
+def test_fox_pro_token_shifts_follow_the_official_shift_linear(backend, shifts):
+    """k_shift / v_shift: the projected keys / values mixed with the previous token's by a per-head gate from
+    the layer input, before the attention (ShiftLinear in the official layer)."""
+    params = {f"{name}_shift": True for name in shifts}
+    model = fox_model(backend, **params).eval()
+    enc, attn = model.encoding, model.blocks[1].attn
+    with torch.no_grad():
+        for name in shifts:  # gates far from a = 0.5, different per head
+            getattr(enc, f"{name}_shifts")[1].weight.normal_(0.0, 1.0)
+    x = torch.randn(2, LENGTH, D_MODEL, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    weights = {f"{name}_shift": getattr(enc, f"{name}_shifts")[1].weight for name in shifts}
+    with torch.no_grad():
+        got = attn(x, PositionContext(enc, torch.arange(LENGTH)[None]))
+    expected = fox_heads_by_hand(x, attn, enc.gates[1], **weights) @ attn.out.weight.T
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    assert enc.hooks == {"decay", "kv"} and all(enc.params()[key] for key in weights)
+
+
+def test_fox_token_shifts_in_chunks_and_after_a_memory_give_one_pass():
+    model = fox_model("eager", k_shift=True, v_shift=True).eval()
+    with torch.no_grad():
+        for shift in (*model.encoding.k_shifts, *model.encoding.v_shifts):
+            shift.weight.normal_(0.0, 1.0)
+    ids = torch.randint(0, 11, (2, 20), generator=torch.Generator().manual_seed(4))
+    assert_chunks_equal_one_pass(model, ids, torch.arange(20)[None], chunks=(1, 6, 19))
+    assert_recurrence_equals_one_pass(model, ids)
 
 
 def test_fox_gates_get_the_eager_gradient_through_the_extra_column():

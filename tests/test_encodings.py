@@ -215,7 +215,8 @@ def test_undeclared_hooks_change_nothing(case):
                  "logit_transform": lambda: torch.equal(enc.logit_transform(logits, q, k, call), logits),
                  "normalize": lambda: torch.equal(enc.normalize(logits, v, call)[0], logits.softmax(-1))
                  and enc.normalize(logits, v, call)[1] is None,
-                 "output": lambda: torch.equal(enc.output(v, x, 0), v)}
+                 "output": lambda: torch.equal(enc.output(v, x, 0), v),
+                 "kv": lambda: all(map(torch.equal, enc.kv(k, v, call), (k, v)))}
     assert set(unchanged) == set(HOOKS)
     assert [hook for hook in HOOKS if hook not in enc.hooks and not unchanged[hook]()] == []
 

@@ -9,6 +9,9 @@ import torch
 
 from posbench.attention import Attention, AttentionCall, PositionContext, get_backend, sdpa
 from posbench.build import build
+from posbench.encodings.base import Encoding
+from posbench.encodings.schedule import Schedule
+from posbench.hooks import HOOKS
 from posbench.model import ModelConfig, Transformer
 from tests.helpers import compose_cfg, make_encoding
 
@@ -117,6 +120,27 @@ def test_schedule_layers_equal_their_standalone_encodings():
             with torch.no_grad():
                 torch.testing.assert_close(attn(x, PositionContext(sched, pos)), single(x, PositionContext(alone, pos)),
                                            rtol=0, atol=1e-12, msg=f"{name} {backend}")
+
+
+def test_schedule_routes_every_hook_to_its_layers_encoding():
+    """A layer's kv and output hooks (FoX Pro's shifts, norm and gate) reach it through the schedule, and
+    every hook of the table has its route (a hook the schedule left to the base class would do nothing)."""
+    assert [hook for hook in HOOKS if hook != "embed" and getattr(Schedule, hook) is getattr(Encoding, hook)] == []
+    kinds = {"pro": {"encoding": "fox", "k_shift": True, "v_shift": True, "output_norm": True, "output_gate": True}}
+    torch.manual_seed(6)
+    sched = make_encoding("schedule", d_model=D_MODEL, n_heads=HEADS, pattern=["nope", "pro"], kinds=kinds).double()
+    assert sched.hooks == {"decay", "kv", "output"}
+    for p in sched.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(2, 9, D_MODEL, dtype=torch.float64)
+    pos = torch.arange(9)[None]
+    alone = sched.at(1)
+    attn = Attention(D_MODEL, HEADS, 1, sched, get_backend("eager", sched), True).double()
+    single = Attention(D_MODEL, HEADS, 1, alone, get_backend("eager", alone), True).double()
+    single.load_state_dict(attn.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x, PositionContext(sched, pos)), single(x, PositionContext(alone, pos)),
+                                   rtol=0, atol=1e-12)
 
 
 def test_schedule_kinds_give_layers_their_own_parameters():

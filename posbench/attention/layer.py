@@ -74,6 +74,8 @@ class Attention(nn.Module):
             k, v = F.linear(memory, w_kv).view(b, memory.shape[1], 2, self.n_heads, -1).permute(2, 0, 3, 1, 4)
         call = AttentionCall(encoding, positions.q_pos, positions.k_pos, self.layer, self.causal, self.window,
                              x=x if memory is None else memory)
+        if "kv" in encoding.hooks:
+            k, v = encoding.kv(k, v, call)  # [B, H, Lk, d] each
         q, k = query_key_hooks(q, k, call)
         block = self.query_block(encoding, b, length, k.shape[-2])
         if block is None:

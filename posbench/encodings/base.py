@@ -108,6 +108,10 @@ class Encoding(nn.Module):
         """x: [B, L, D] token embeddings, pos: [B', L] ([B', L, 2] if position_dims = 2), ids: [B, L] -> [B, L, D]."""
         return x
 
+    def kv(self, k: torch.Tensor, v: torch.Tensor, call) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: [B, H, Lk, d] as projected, call.x the layer's input at the keys [B, Lk, D] -> the same shapes."""
+        return k, v
+
     def qk(self, q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
            layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [B, H, Lq, d], k: [B, H, Lk, d] at q_pos [B', Lq(, 2)], k_pos [B', Lk(, 2)] -> the same shapes."""

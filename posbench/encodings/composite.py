@@ -23,6 +23,7 @@ is the order of `parts`; the table's `combine` column):
   value_term   summed.
   prob         applied in sequence, each part's modulation multiplying the previous output.
   output       applied in sequence.
+  kv           applied in sequence.
   logit_scale  the default 1/sqrt(d) unless a part overrides it (tener 1, deberta
                1/sqrt(3d)): one override, or several agreeing ones, win; two different
                overrides are refused.
@@ -144,6 +145,11 @@ class Composite(Encoding):
         for part in self.parts_with("embed"):  # additive parts: x + p_1 + p_2 + ...
             x = part.embed(x, pos, ids)  # [B, L, D]
         return x
+
+    def kv(self, k, v, call):
+        for part in self.parts_with("kv"):
+            k, v = part.kv(k, v, call)  # [B, H, Lk, d] each
+        return k, v
 
     def qk(self, q, k, q_pos, k_pos, layer):
         for part in self.parts_with("qk"):  # at most one (checked at construction)

@@ -78,6 +78,10 @@ class Schedule(Encoding):
     def logit_scale(self, head_dim: int) -> float:
         return agreed_logit_scale(self.name, self.entries.values(), head_dim, super().logit_scale(head_dim))
 
+    def kv(self, k, v, call):
+        enc = self.at(call.layer)
+        return enc.kv(k, v, call) if "kv" in enc.hooks else (k, v)
+
     def qk(self, q, k, q_pos, k_pos, layer):
         enc = self.at(layer)
         return enc.qk(q, k, q_pos, k_pos, layer) if "qk" in enc.hooks else (q, k)
@@ -117,6 +121,10 @@ class Schedule(Encoding):
     def value_term(self, p, q_pos, k_pos, layer):
         enc = self.at(layer)
         return enc.value_term(p, q_pos, k_pos, layer) if "value_term" in enc.hooks else None
+
+    def output(self, y, x, layer):
+        enc = self.at(layer)
+        return enc.output(y, x, layer) if "output" in enc.hooks else y
 
 
 def parse_pattern(pattern, kinds, registry: dict) -> tuple[list[str], dict[str, dict]]:
