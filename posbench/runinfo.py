@@ -10,9 +10,13 @@ value that reproduces the earlier behaviour, so runs made before it existed keep
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
+import inspect
 import json
 from dataclasses import asdict, dataclass, fields
+
+from hydra.utils import get_class
 
 from posbench.settings import added_settings
 
@@ -37,13 +41,24 @@ def parent_of(config: dict, key: str) -> tuple[dict | None, str]:
 
 def with_added_settings(config: dict) -> dict:
     """A copy of the config with every ADDED_SETTINGS key it lacks at its earlier value (a config
-    written before the key existed describes a run that had it)."""
+    written before the key existed describes a run that had it); an encoding or task parameter only
+    where its class takes it (alibi never had rope's frequency_fraction)."""
     full = copy.deepcopy(config)
     for key, earlier in ADDED_SETTINGS.items():
         node, leaf = parent_of(full, key)
-        if node is not None:
+        if node is not None and (key.split(".")[0] not in ("encoding", "task") or takes(node.get("_target_"), leaf)):
             node.setdefault(leaf, earlier)
     return full
+
+
+@functools.cache
+def takes(target: str | None, parameter: str) -> bool:
+    """Whether the class a config's `_target_` names has this constructor parameter (False if none is named
+    or it does not import)."""
+    try:
+        return target is not None and parameter in inspect.signature(get_class(target)).parameters
+    except (ImportError, ValueError):
+        return False
 
 
 def group_config(config: dict, init_from: dict | None = None) -> dict:

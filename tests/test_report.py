@@ -11,6 +11,7 @@ from posbench.headline import lower_is_better, primary_metric, run_headline, spr
 from posbench.report import main as report_main
 from posbench.report import write_report
 from posbench.results import SCHEMA, RowWriter
+from posbench.runinfo import with_added_settings
 from tests.helpers import posbench, read_rows, wandb_records
 
 N = 4
@@ -370,3 +371,14 @@ def test_orderings_across_sizes_separate_only_when_every_seed_does():
         "depends on size", "26k: ≈, 151k: >"]
     # every pair of the four on copy at two or more sizes, the one of rsc, and the one on wikitext
     assert len(table) == 6 + 1 + 1
+
+
+def test_added_parameters_reach_only_the_classes_that_take_them():
+    """Labels fill in parameters added after a run was made, but only where its class has them: an alibi
+    group never shows rope's frequency_fraction."""
+    alibi = with_added_settings({"encoding": {"_target_": "posbench.encodings.alibi.ALiBi"},
+                                 "task": {"_target_": "tasks.copy.Copy"}, "model": {}})
+    assert "frequency_fraction" not in alibi["encoding"] and alibi["task"]["eos"] is False
+    assert alibi["model"]["activation"] == "gelu"  # settings outside encoding and task: always
+    rope = with_added_settings({"encoding": {"_target_": "posbench.encodings.rope.RoPE"}})
+    assert rope["encoding"]["frequency_fraction"] == 1.0 and rope["encoding"]["start_positions"] == 0
