@@ -143,6 +143,19 @@ def setting_name(key: str) -> str:
     return SHORT_NAMES.get(key, key.removeprefix("encoding."))
 
 
+HELD = {"composite": ("encoding.parts", "+"), "schedule": ("encoding.pattern", ",")}  # what names the whole
+
+
+def holding(encoding: str, s: dict) -> tuple[str, set[str]]:
+    """A composite or a schedule named by what it holds, composite(rope+ssmax), schedule(rope,rope,nope),
+    and the setting that name shows (left out of the label's settings)."""
+    key, joiner = HELD.get(encoding, (None, ""))
+    held = s.get(key)
+    if not isinstance(held, (list, tuple)) or not held:
+        return encoding, set()
+    return f"{encoding}({joiner.join(map(str, held))})", {key}
+
+
 def parameter_count(n) -> str:
     """2.58k, 151k, 3.2M: a model size as the labels show it."""
     n = int(n)
@@ -184,7 +197,8 @@ def add_groups(frame):
             varying -= model_keys
     curve_labels, comparable, encoding_labels = {}, {}, {}
     for group, (_, encoding, s) in per_group.items():
-        shown = [(k, f"{setting_name(k)}={s[k]}") for k in sorted(varying) if k in s]
+        encoding, named = holding(encoding, s)
+        shown = [(k, f"{setting_name(k)}={s[k]}") for k in sorted(varying - named) if k in s]
         curve_labels[group] = " ".join([encoding, ", ".join(text for _, text in shown)]).strip()
         comparable[group] = ", ".join(text for k, text in shown if not k.startswith("encoding."))
         encoding_labels[group] = " ".join([encoding, ", ".join(text for k, text in shown

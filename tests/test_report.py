@@ -9,7 +9,7 @@ import pytest
 
 from posbench.headline import lower_is_better, primary_metric, run_headline, spread
 from posbench.report import main as report_main
-from posbench.report import write_report
+from posbench.report import holding, write_report
 from posbench.results import SCHEMA, RowWriter
 from posbench.runinfo import with_added_settings
 from tests.helpers import posbench, read_rows, wandb_records
@@ -382,3 +382,10 @@ def test_added_parameters_reach_only_the_classes_that_take_them():
     assert alibi["model"]["activation"] == "gelu"  # settings outside encoding and task: always
     rope = with_added_settings({"encoding": {"_target_": "posbench.encodings.rope.RoPE"}})
     assert rope["encoding"]["frequency_fraction"] == 1.0 and rope["encoding"]["start_positions"] == 0
+
+
+def test_a_composite_or_schedule_is_labelled_by_what_it_holds():
+    assert holding("composite", {"encoding.parts": ["rope", "ssmax"]}) == ("composite(rope+ssmax)", {"encoding.parts"})
+    assert holding("schedule", {"encoding.pattern": ["rope", "rope", "nope"]}) == (
+        "schedule(rope,rope,nope)", {"encoding.pattern"})
+    assert holding("alibi", {"encoding.parts": ["x"]}) == ("alibi", set())
