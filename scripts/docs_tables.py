@@ -549,11 +549,15 @@ def frontier_wikitext() -> str:
     return frontier("wikitext")
 
 
+def frontier_counting() -> str:
+    return frontier("counting")
+
+
 TABLES = {f.__name__.replace("_", "-"): f for f in (
     glance, core_copy_sort, catalogue_copy, randomized_copy, chomsky_encoder, kazemnejad_causal, addition_20k,
     grid_extrapolation, scale_study, scale_study_eos, scale_study_medium, report_sweep, lm_extrapolation,
     lm_extrapolation_sliding, lm_memory, rope_scaling, rope_finetune, frontier_glance, frontier_claims, frontier_copy, frontier_flip_flop_sparse,
-    frontier_wikitext)}
+    frontier_wikitext, frontier_counting)}
 
 
 def pages() -> list[Path]:
