@@ -236,3 +236,22 @@ def test_cli_shape_composes_and_builds():
     assert built.encoding.params()["t5"]["num_buckets"] == 16 and built.backend == "sdpa"
     cfg = compose_cfg("encoding=composite", "encoding.parts=[sinusoidal,learned,alibi]", "encoding.embed_rule=sum")
     assert build(cfg, torch.device("cpu")).encoding.hooks == {"embed", "decay"}  # alibi in a causal model
+
+
+def test_a_composite_or_schedule_follows_its_parts_relative_trait_past_n():
+    """longrope's start positions make rope not relative past N (and self_extend is not while extending): a
+    composite, a schedule or DAPE holding it says so past N and relative again once training resumes."""
+    rope = {"scaling": "longrope", "start_positions": 2}
+    holders = [make_encoding("composite", parts=["rope", "t5"], part_params={"rope": rope}),
+               make_encoding("schedule", pattern=["r", "nope"], kinds={"r": {"encoding": "rope", **rope}}),
+               make_encoding("composite", parts=["self_extend", "alibi"])]
+    for enc in holders:
+        assert enc.relative, enc.name
+        enc.eval()
+        enc.set_eval_length(64, 256)
+        assert not enc.relative, enc.name
+        enc.set_eval_length(64, 64)
+        assert enc.relative, enc.name
+        enc.set_eval_length(64, 256)
+        enc.train()
+        assert enc.relative, enc.name

@@ -137,6 +137,12 @@ class Composite(Encoding):
     def set_eval_length(self, train_positions: int, eval_positions: int) -> None:
         for part in self.parts:
             part.set_eval_length(train_positions, eval_positions)
+        self.relative = self.shift_invariant()  # a part's may change with the length (self_extend, longrope's start)
+
+    def train(self, mode: bool = True):
+        super().train(mode)  # a part may return to its training length
+        self.relative = self.shift_invariant()
+        return self
 
     def logit_scale(self, head_dim: int) -> float:
         return agreed_logit_scale(self.name, self.parts, head_dim, super().logit_scale(head_dim))

@@ -86,6 +86,12 @@ class DAPE(Encoding):
     def set_eval_length(self, train_positions: int, eval_positions: int) -> None:
         if self.base is not None:
             self.base.set_eval_length(train_positions, eval_positions)
+            self.relative = self.base.relative  # the base's may change with the length
+
+    def train(self, mode: bool = True):
+        super().train(mode)  # the base may return to its training length
+        self.relative = self.base is None or self.base.relative
+        return self
 
     def qk(self, q, k, q_pos, k_pos, layer):
         if self.base is None:

@@ -74,6 +74,12 @@ class Schedule(Encoding):
     def set_eval_length(self, train_positions: int, eval_positions: int) -> None:
         for enc in self.entries.values():
             enc.set_eval_length(train_positions, eval_positions)
+        self.relative = all(enc.relative for enc in self.entries.values())  # an entry's may change with the length
+
+    def train(self, mode: bool = True):
+        super().train(mode)  # an entry may return to its training length
+        self.relative = all(enc.relative for enc in self.entries.values())
+        return self
 
     def logit_scale(self, head_dim: int) -> float:
         return agreed_logit_scale(self.name, self.entries.values(), head_dim, super().logit_scale(head_dim))
