@@ -1,15 +1,26 @@
 """`python -m posbench [overrides]`: one run, or a sweep with --multirun."""
+import os
+import sys
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import posbench.settings  # noqa: F401  (registers the resolver --help's page reads)
-from posbench.runner import run
+from posbench.runner import Refused, run
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run(cfg, HydraConfig.get().runtime.output_dir)
+    try:
+        run(cfg, HydraConfig.get().runtime.output_dir)
+    except Refused as err:  # a bad setting: its message, without a traceback of posbench's insides
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise err.original
+        job = HydraConfig.get().job.override_dirname if HydraConfig.get().mode == RunMode.MULTIRUN else ""
+        print(f"refused{f' ({job})' if job else ''}: {err}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

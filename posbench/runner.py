@@ -46,6 +46,16 @@ from posbench.validate import check_config
 HYDRA_SUBDIR = ".hydra"  # where the runner writes Hydra's record of an accepted command
 
 
+class Refused(ValueError):
+    """A command refused before training: a bad setting, or a directory that is not this run's; the
+    refusal's own message. The command line prints it as one line (posbench.__main__); HYDRA_FULL_ERROR=1
+    raises the original error, with its traceback."""
+
+    def __init__(self, original: ValueError):
+        super().__init__(str(original))
+        self.original = original
+
+
 def error_text(err: Exception) -> str:
     return f"{type(err).__name__}: {err}"
 
@@ -104,7 +114,10 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
             previous = claim(run_dir, identity, cfg.train.get("resume", "auto"))
             return previous, previous["run_id"] if previous else uuid.uuid4().hex[:12]
 
-        previous, run_id = distributed.from_main(claim_directory)
+        try:
+            previous, run_id = distributed.from_main(claim_directory)
+        except ValueError as err:
+            raise Refused(err) from None
         if previous is not None:
             if previous.get("state") in FINAL_STATES:
                 if main:
@@ -119,6 +132,8 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
         except Exception as err:
             if previous is None:  # a fresh directory: the refusal is its record (the report lists it)
                 status.fail(error_text(err))
+            if isinstance(err, ValueError):
+                raise Refused(err) from None
             raise
         built.guard.batch_sizes = distributed.smallest(built.guard.batch_sizes)  # one batching on every rank
         if main:
