@@ -86,13 +86,14 @@ class FlexBackend(Backend):
 
     def attend(self, q, k, v, call):
         """As Backend.attend; a bias built by the caller is not used: the score_mod computes it per score."""
-        if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if q.device.type == "cpu" and training:
             raise ValueError(CPU_TRAINING)
         if q.is_cuda and self.compiled and min(q.shape[-1], v.shape[-1]) < CUDA_MIN_HEAD_DIM:
             raise ValueError(f"backend=flex needs heads of at least {CUDA_MIN_HEAD_DIM} features on CUDA, got "
                              f"{q.shape[-1]} (model.d_model / model.n_heads); use backend=sdpa or auto")
         encoding = call.encoding
-        if q.is_cuda and not encoding.flex_trains and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        if q.is_cuda and training and not encoding.flex_trains:
             raise ValueError(f"backend=flex cannot train encoding {encoding.name} on CUDA: torch's FlexAttention cannot "
                              "differentiate its score_mod (Encoding.flex_trains); use backend=sdpa or auto")
         score_mod = encoding.score_mod(call.q_pos, call.k_pos, call.layer) if "bias" in encoding.hooks else None

@@ -15,11 +15,11 @@ BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (EagerBackend, Sd
 def get_backend(name: str, encoding: Encoding | None = None, device: torch.device | None = None) -> Backend:
     """A backend by name; `auto` takes the fastest one that runs every hook the encoding needs on
     the device, for training and evaluation alike: on CUDA flex for a bias with a score_mod or a
-    decay (SDPA would take a dense mask, or a head size the flash kernel refuses) where heads have at least
-    16 features (flex's CUDA kernels refuse fewer) and flex can differentiate it (Encoding.flex_trains),
-    else sdpa; on CPU
-    sdpa (its fused kernel with the causal flag beat compiled flex 1.4-1.7x in evaluation at 4k
-    tokens, and flex cannot train there); eager for hooks neither runs."""
+    decay (SDPA would take a dense mask, or a head size the flash kernel refuses) where heads have
+    at least 16 features (flex's CUDA kernels refuse fewer) and flex can differentiate it
+    (Encoding.flex_trains), else sdpa; on CPU sdpa (its fused kernel with the causal flag beat
+    compiled flex 1.4-1.7x in evaluation at 4k tokens, and flex cannot train there); eager for
+    hooks neither runs."""
     if name == "auto":
         if encoding is None:
             raise ValueError("backend=auto needs the encoding to choose for")

@@ -118,6 +118,7 @@ class FoX(Encoding):
 def token_shift(x: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
     """a_t x_{t-1} + (1 - a_t) x_t per head, a = sigmoid(logit) in float32 at least, x_{-1} = 0.
     x: [B, H, L, d], logit: [B, L, H] -> [B, H, L, d]."""
-    a = torch.sigmoid(logit.to(torch.promote_types(logit.dtype, torch.float32))).transpose(1, 2)[..., None]  # [B, H, L, 1]
+    a = torch.sigmoid(logit.to(torch.promote_types(logit.dtype, torch.float32)))  # [B, L, H]
+    a = a.transpose(1, 2)[..., None]  # [B, H, L, 1]
     previous = F.pad(x, (0, 0, 1, 0))[..., :-1, :]  # x_{t-1}: [B, H, L, d]
     return (a * previous + (1 - a) * x).to(x.dtype)

@@ -8,8 +8,9 @@ Householder-like transforms between query and key,
 x the layer's input, the convolution causal and depthwise over time with no bias, as fla's PaTHAttention
 (fla/layers/path_attn.py). The products come from one triangular solve per head (`path_products`), no
 loop over keys: O(L^2 d + L^3) time and O(L^2) memory, on the eager backend (`logit_transform`), fit for
-training lengths and evaluation to a few thousand tokens, not for 32k. Causal only. `encoding=composite encoding.parts=[path,fox]` gives PaTH-FoX, with
-FoX's own scale of the gate (fla multiplies the gate term by 1/sqrt(d) there).
+training lengths and evaluation to a few thousand tokens, not for 32k. Causal only.
+`encoding=composite encoding.parts=[path,fox]` gives PaTH-FoX, with FoX's own scale of the gate (fla
+multiplies the gate term by 1/sqrt(d) there).
 """
 from __future__ import annotations
 
