@@ -128,7 +128,8 @@ def child(args: argparse.Namespace) -> None:
     step_mem_mb = timed_peak_mb - memory.base if memory.resettable else None
 
     median = statistics.median(step_seconds)
-    result = {"encoding": args.encoding if args.method else built.encoding.name, "backend": built.backend, "length": args.length, "tokens": tokens,
+    result = {"encoding": args.encoding if args.method else built.encoding.name, "backend": built.backend,
+              "length": args.length, "tokens": tokens,
               "batch_size": batch_size, "tokens_per_s": batch_size * tokens / median,
               "step_ms_median": 1000 * median, "peak_mem_mb": peak_mb, "step_mem_mb": step_mem_mb,
               "mem_kind": memory.kind,

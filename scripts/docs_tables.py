@@ -372,14 +372,25 @@ def frontier_task(p: dict) -> str:
     return p["task"]
 
 
+def frontier_key(task: str):
+    """settings -> the run's frontier method when it ran this frontier task, else None (left out)."""
+    def key(p: dict) -> str | None:
+        return frontier_method(p) if frontier_task(p) == task else None
+    return key
+
+
+def ranged(w: dict, digits: int, bold: bool = False) -> str:
+    """A spread over seeds: the mean (in bold if asked), and the range when its ends print differently."""
+    mean = f"**{num(w['mean'], digits)}**" if bold else num(w["mean"], digits)
+    same = f"{w['min']:.{digits}f}" == f"{w['max']:.{digits}f}"
+    return mean + ("" if same else f" ({num(w['min'], digits)}–{num(w['max'], digits)})")
+
+
 def frontier(task: str) -> str:
     """experiment=frontier on one task: each method's score at N and past it (mean and range over
     seeds), with its training throughput and its evaluation memory at the longest length."""
     s = study("frontier")
-
-    def key(p: dict) -> str | None:
-        return frontier_method(p) if frontier_task(p) == task else None
-
+    key = frontier_key(task)
     records = headline_by(s, key)
     metric = next(iter(records.values()))["metric"]
     lower = lower_is_better(metric)
@@ -389,10 +400,6 @@ def frontier(task: str) -> str:
     rows_of = {k: part for group, part in s.frame.groupby("group", sort=False) if (k := key(settings[group]))}
     longest = {k: part[part["eval_length"] == part["eval_length"].max()] for k, part in rows_of.items()}
 
-    def cell(w: dict) -> str:
-        same = f"{w['min']:.{digits}f}" == f"{w['max']:.{digits}f}"
-        return num(w["mean"], digits) + ("" if same else f" ({num(w['min'], digits)}–{num(w['max'], digits)})")
-
     def order(method: str):
         score = near[method]["mean"] if method in near else math.nan
         return (report.not_learned(records[method]), score if lower else -score)
@@ -401,8 +408,8 @@ def frontier(task: str) -> str:
     for method in sorted(records, key=order):
         learned = "not learned" if report.not_learned(records[method]) else "yes"
         part = rows_of[method]
-        rows.append([f"`{method}`", str(part["seed"].nunique()), cell(at_n[method]), learned,
-                     cell(near[method]), cell(far[method]),
+        rows.append([f"`{method}`", str(part["seed"].nunique()), ranged(at_n[method], digits), learned,
+                     ranged(near[method], digits), ranged(far[method], digits),
                      f"{part.drop_duplicates('run_id')['train_tokens_per_s'].mean():,.0f}",
                      f"{longest[method]['peak_mem_mb'].max():,.0f}"])
     header = ["method", "seeds", f"{metric} at N", "learned at N", "(N, 2N]", "(N, longest]", "train tokens/s",
@@ -419,15 +426,12 @@ FRONTIER_COST = REFERENCE / "frontier" / "cost.csv"  # scripts/benchmark_encodin
 
 def frontier_glance() -> str:
     """README: each frontier method's mean past N per task (over (N, 2N], WikiText over (N, 8N]), over seeds
-    (their range), the best of a
-    column in bold, "not learned" where the run misses the bar at N; beside them the training step's cost
-    at the study's size on copy, against nope (FRONTIER_COST)."""
+    (their range), the best of a column in bold, "not learned" where the run misses the bar at N; beside
+    them the training step's cost at the study's size on copy, against nope (FRONTIER_COST)."""
     s = study("frontier")
     columns, cells = [], {}
     for task, header, window in FRONTIER_TASKS:
-        def key(p: dict, task=task) -> str | None:
-            return frontier_method(p) if frontier_task(p) == task else None
-
+        key = frontier_key(task)
         records = headline_by(s, key)
         if not records:
             continue
@@ -442,10 +446,7 @@ def frontier_glance() -> str:
             if report.not_learned(records[method]):
                 text = "not learned"
             else:
-                text = num(w["mean"], digits)
-                text = f"**{text}**" if w["mean"] == best else text
-                if w["n"] > 1 and f"{w['min']:.{digits}f}" != f"{w['max']:.{digits}f}":
-                    text += f" ({num(w['min'], digits)}–{num(w['max'], digits)})"
+                text = ranged(w, digits, bold=w["mean"] == best)
             cells.setdefault(method, {})[header] = text
     cost = {}
     if FRONTIER_COST.exists():
@@ -472,13 +473,11 @@ FRONTIER_CLAIMS = (
     Claim("cope", "solves Flip-Flop where RoPE fails (Golovneva et al. 2024, abstract)", "flip_flop_sparse",
           ("rope",), (1, 2)),
     Claim("path", "0.0001% error on sparse flip-flop against RoPE's 40.3% (Yang et al. 2025, Table 1: one layer, "
-          "two heads, tested on FFL(0.98) at the training length)", "flip_flop_sparse",
- ("rope",), (0.99, 1)),
+          "two heads, tested on FFL(0.98) at the training length)", "flip_flop_sparse", ("rope",), (0.99, 1)),
     Claim("cope", "solves counting where RoPE fails (abstract; 4 layers, 256 wide, 3 or 5 variables)", "counting",
           ("rope",), (1, 2)),
     Claim("fox", "extrapolates in language modelling where RoPE does not (760M, 48B tokens, trained at 16k)",
-          "wikitext",
- ("rope",), (1, math.inf)),
+          "wikitext", ("rope",), (1, math.inf)),
     Claim("stick_breaking", "trained at 2^11, better perplexity at 2^14 (350M, 15B tokens, WikiText)", "wikitext",
           ("rope",), (1, math.inf)),
     Claim("dape", "trained at 128, better at 8192 than every static encoding, FIRE and ALiBi among them "
@@ -488,11 +487,9 @@ FRONTIER_CLAIMS = (
     Claim("path", "stable to 8x its training length where RoPE fails past it (760M, trained at 4k)", "wikitext",
           ("rope",), (1, math.inf)),
     Claim("p_rope", "0.75-RoPE 4.4414 against RoPE 4.4627 Wiki perplexity at the training length (Gemma 2B, 8k); "
-          "not an extrapolation claim", "wikitext",
- ("rope",), (0.99, 1)),
+          "not an extrapolation claim", "wikitext", ("rope",), (0.99, 1)),
     Claim("rnope", "RoPE and NoPE layers together beat RoPE on long context (Cohere, arXiv 2501.18795)",
-          "wikitext",
- ("rope",), (1, math.inf)),
+          "wikitext", ("rope",), (1, math.inf)),
 )
 
 
@@ -503,9 +500,7 @@ def frontier_claims() -> str:
     s = study("frontier")
     rows = []
     for claim in FRONTIER_CLAIMS:
-        def key(p: dict, task=claim.task) -> str | None:
-            return frontier_method(p) if frontier_task(p) == task else None
-
+        key = frontier_key(claim.task)
         records = headline_by(s, key)
         scores = run_window_mean(s, next(iter(records.values()))["metric"], *claim.window, key) if records else {}
         lower = bool(records) and lower_is_better(next(iter(records.values()))["metric"])
@@ -556,8 +551,8 @@ def frontier_counting() -> str:
 TABLES = {f.__name__.replace("_", "-"): f for f in (
     glance, core_copy_sort, catalogue_copy, randomized_copy, chomsky_encoder, kazemnejad_causal, addition_20k,
     grid_extrapolation, scale_study, scale_study_eos, scale_study_medium, report_sweep, lm_extrapolation,
-    lm_extrapolation_sliding, lm_memory, rope_scaling, rope_finetune, frontier_glance, frontier_claims, frontier_copy, frontier_flip_flop_sparse,
-    frontier_wikitext, frontier_counting)}
+    lm_extrapolation_sliding, lm_memory, rope_scaling, rope_finetune, frontier_glance, frontier_claims,
+    frontier_copy, frontier_flip_flop_sparse, frontier_wikitext, frontier_counting)}
 
 
 def pages() -> list[Path]:
