@@ -115,11 +115,20 @@ def test_v1_matches_the_network_written_out(base, causal):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)  # every entry: v1 is pointwise
 
 
+def tiled(logits, bias, net):
+    first, act, last = net
+    return dape_module.PairMLP.apply(logits, bias, first.weight, first.bias, last.weight, last.bias,
+                                     act.negative_slope)
+
+
 @pytest.mark.parametrize("bias_batch", [None, 1, 3], ids=["no bias", "shared bias", "bias per sequence"])
-def test_v1_backward_equals_autograd_of_the_network(bias_batch, monkeypatch):
-    """PairMLP's own tiled backward against autograd through nn's Linear -> LeakyReLU -> Linear over
-    [S; B] (float64), tiles smaller than a row so that they cut rows; and gradcheck."""
+@pytest.mark.parametrize("implementation", ["cpu tiles", "query blocks"])
+def test_v1_backward_equals_autograd_of_the_network(bias_batch, implementation, monkeypatch):
+    """v1's two implementations (PairMLP's tiles with their own backward, on the CPU; checkpointed
+    blocks of queries, elsewhere) against autograd through nn's Linear -> LeakyReLU -> Linear over
+    [S; B] (float64), tiles smaller than a row so that they cut rows, blocks of one query; and gradcheck."""
     monkeypatch.setattr(dape_module, "TILE_ELEMENTS", 20)  # 3 sequences x 3 hidden units: tiles of 2 pairs
+    monkeypatch.setattr(dape_module, "BLOCK_ELEMENTS", 80)  # 3 sequences x 3 units x 5 keys: blocks of 1 query
     gen = torch.Generator().manual_seed(2)
     features = HEADS if bias_batch is None else 2 * HEADS
     net = torch.nn.Sequential(torch.nn.Linear(features, WIDTH), torch.nn.LeakyReLU(0.2),
@@ -129,9 +138,9 @@ def test_v1_backward_equals_autograd_of_the_network(bias_batch, monkeypatch):
                                                        generator=gen, requires_grad=True)
     grad = torch.randn(3, HEADS, 4, 5, dtype=torch.float64, generator=gen)
     inputs = [t for t in (logits, bias, *net.parameters()) if t is not None]
-    first, act, last = net
+    v1 = tiled if implementation == "cpu tiles" else dape_module.pair_mlp_blocks
 
-    got = dape_module.PairMLP.apply(logits, bias, first.weight, first.bias, last.weight, last.bias, 0.2)
+    got = v1(logits, bias, net)
     got_grads = torch.autograd.grad((got * grad).sum(), inputs)
     if bias is None:
         expected = logits + net(logits.movedim(1, -1)).movedim(-1, 1)
@@ -142,9 +151,9 @@ def test_v1_backward_equals_autograd_of_the_network(bias_batch, monkeypatch):
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     for g, e in zip(got_grads, expected_grads):
         torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
-    assert torch.autograd.gradcheck(
-        lambda *args: dape_module.PairMLP.apply(args[0], *(args[1:] if bias is not None else (None, *args[1:])), 0.2),
-        tuple(inputs))
+    # the weights are the network's own tensors: gradcheck's perturbations of them reach it through net
+    assert torch.autograd.gradcheck(lambda *args: v1(args[0], args[1] if bias is not None else None, net),
+                                    tuple(inputs))
 
 
 @pytest.mark.parametrize("base", BASES)

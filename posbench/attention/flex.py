@@ -98,7 +98,7 @@ class FlexBackend(Backend):
                              "differentiate its score_mod (Encoding.flex_trains); use backend=sdpa or auto")
         score_mod = encoding.score_mod(call.q_pos, call.k_pos, call.layer) if "bias" in encoding.hooks else None
         if call.k_levels is not None:
-            score_mod = decay_score_mod(call, score_mod, torch.promote_types(q.dtype, torch.float32))
+            score_mod = decay_score_mod(call, score_mod, torch.promote_types(q.dtype, torch.float32), q.shape[0])
         causal = call.causal and not call.mask_in_bias
         block_mask = causal_block_mask(q.shape[-2], k.shape[-2], q.device) if causal else None
         attend = compiled_flex_attention(q.is_cuda) if self.compiled else flex_attention
@@ -106,16 +106,16 @@ class FlexBackend(Backend):
                       scale=encoding.logit_scale(q.shape[-1]))  # [B, H, Lq, d]
 
 
-def decay_score_mod(call, inner, dtype: torch.dtype):
-    """score (+ inner's bias) + c_i - c_j, with the levels relative to the first query's."""
+def decay_score_mod(call, inner, dtype: torch.dtype, batch: int):
+    """score (+ inner's bias) + c_i - c_j, with the levels relative to the first query's. Each captured
+    tensor is indexed once per score: FlexAttention's backward differentiates no second index."""
     ref = call.q_levels[..., :1]  # [B|1, H, 1]
     at_q, at_k = (call.q_levels - ref).to(dtype), (call.k_levels - ref).to(dtype)  # [B|1, H, Lq], [B|1, H, Lk]
-    q_row = (lambda b: at_q[0]) if at_q.shape[0] == 1 else (lambda b: at_q[b])
-    k_row = (lambda b: at_k[0]) if at_k.shape[0] == 1 else (lambda b: at_k[b])
+    at_q, at_k = at_q.expand(batch, -1, -1), at_k.expand(batch, -1, -1)  # [B, H, Lq], [B, H, Lk]
 
     def decay(score, b, h, q_idx, kv_idx):
         if inner is not None:
             score = inner(score, b, h, q_idx, kv_idx)
-        return score + (q_row(b)[h, q_idx] - k_row(b)[h, kv_idx]).to(score.dtype)
+        return score + (at_q[b, h, q_idx] - at_k[b, h, kv_idx]).to(score.dtype)
 
     return decay

@@ -37,6 +37,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from posbench.checks import Integer
 from posbench.encodings.alibi import ALiBi
@@ -100,6 +101,8 @@ class DAPE(Encoding):
 
     def logit_transform(self, logits, q, k, call):
         bias = self.base_bias(call).to(logits.dtype) if self.base_name in BIASED else None  # [B', H, Lq, Lk]
+        if self.version == 1 and logits.device.type != "cpu":
+            return pair_mlp_blocks(logits, bias, self.net)  # [B, H, Lq, Lk]
         if self.version == 1:  # A = S + B + f([S; B]) (A = S + f(S) without a bias)
             first, act, last = self.net
             return PairMLP.apply(logits, bias, first.weight, first.bias, last.weight, last.bias,
@@ -136,6 +139,29 @@ def build_base(name: str, dims: ModelDims, params: dict) -> Encoding | None:
         raise ValueError(f"dape: encoding.base_params has {unknown}, which base {name} does not take; "
                          f"its parameters: {accepted}")
     return None if cls is None else cls(dims, **params)
+
+
+BLOCK_ELEMENTS = 2**27  # hidden-layer elements of one query block of pair_mlp_blocks (512 MiB in float32)
+
+
+def pair_mlp_blocks(logits: torch.Tensor, bias: torch.Tensor | None, net: nn.Sequential) -> torch.Tensor:
+    """v1 off the CPU, where PairMLP's small tiles would each launch kernels of their own: the network
+    over every pair of a block of queries in a few batched products. Each block is recomputed in
+    backward (a checkpoint), so that memory holds one block's hidden layer. logits [B, H, Lq, Lk], bias
+    [B', H, Lq, Lk] or None -> [B, H, Lq, Lk]."""
+    batch, _, queries, keys = logits.shape
+    rows = max(1, BLOCK_ELEMENTS // (batch * net[0].out_features * keys))
+    blocks = [checkpoint(pair_mlp, logits[:, :, start:start + rows],
+                         None if bias is None else bias[:, :, start:start + rows], net, use_reentrant=False)
+              for start in range(0, queries, rows)]
+    return torch.cat(blocks, dim=2)  # [B, H, Lq, Lk]
+
+
+def pair_mlp(logits: torch.Tensor, bias: torch.Tensor | None, net: nn.Sequential) -> torch.Tensor:
+    """S + B + f([S; B]) (S + f(S) without a bias), f = net at every pair: [B, H, Lq, Lk]."""
+    features = logits if bias is None else torch.cat([logits, bias.expand_as(logits)], dim=1)  # [B, C, Lq, Lk]
+    correction = net(features.movedim(1, -1)).movedim(-1, 1)  # f([S; B]): [B, H, Lq, Lk]
+    return logits + correction if bias is None else logits + bias + correction
 
 
 class PairMLP(torch.autograd.Function):

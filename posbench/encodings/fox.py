@@ -35,7 +35,6 @@ NORM_EPS = 1e-6  # the official layer's norm_eps (QK-norm and the output norm)
 class FoX(Encoding):
     name = "fox"
     hooks = frozenset({"decay"})  # + qk with rope or qk_norm, + output with output_norm or output_gate, + kv
-    flex_trains = False  # its learned levels, indexed at the query and at the key in one score_mod
     relative = True  # the gates read content, never a position id: a shift of every position changes nothing
 
     def __init__(self, dims: ModelDims, rope: bool = False, rope_base: float = 500000.0, qk_norm: bool = False,
