@@ -237,6 +237,7 @@ ADDED_PARAMETERS = {
     "encoding.short_factors": None, "encoding.long_factors": None,  # rope's (longrope)
     "encoding.start_positions": 0,  # rope's (longrope's start tokens)
     "encoding.scale_base": None,  # self_extend's query log-scale (xpos's own scale_base is never null)
+    "encoding.k_shift": False, "encoding.v_shift": False,  # fox's token shifts (the Pro block)
     "task.eos": False,  # copy's, reverse's and sort's
 }
 
