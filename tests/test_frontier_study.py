@@ -1,9 +1,16 @@
 """experiment=frontier expands to the study the README reports: its methods, tasks and seeds, each job
 composing to the intended encoding and task and passing the settings check."""
+import json
+from pathlib import Path
+
 import pytest
+import yaml
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from omegaconf import OmegaConf, open_dict
+
+from posbench.runinfo import config_hash, group_config
 from posbench.validate import check_config
 from tests.helpers import multirun_config, options, sweep_values
 
@@ -23,6 +30,7 @@ TASKS = {  # option: (task target, N, task settings, the longest evaluated lengt
     "mqar": ("retrieval.MQAR", 16, {"keys": 64}, 64),
     "wikitext": ("wikitext.WikiText", 64, {"tokenizer": "byte"}, 512),
 }
+STUDY = Path(__file__).resolve().parent.parent / "results" / "reference" / "frontier"
 UNSWEPT_TASKS = {"flip_flop_dense", "selective_copy", "state_tracking"}  # options of the group, cut for the budget
 
 
@@ -51,3 +59,18 @@ def test_every_job_of_a_task_composes_to_its_method_and_passes_the_checks(task, 
         assert max(cfg.eval.ratios) * length == longest
         assert (cfg.train.steps, cfg.train.lr) == ((2000, 1e-3) if task == "wikitext" else (4000, 3e-3))
         check_config(cfg)
+
+
+def test_every_committed_run_composes_today_to_the_hash_of_its_rows(monkeypatch, tmp_path):
+    """A setting or parameter added since a run was made leaves its group hash as it was
+    (settings.ADDED_PARAMETERS): otherwise a later seed would be grouped apart from it, and
+    rerunning the sweep over the committed directories would refuse them as other runs."""
+    monkeypatch.setenv("POSBENCH_WIKITEXT_DIR", str(tmp_path))  # composing only: no data is read
+    runs = sorted(STUDY.glob("*_experiment=frontier,*"))
+    assert len(runs) >= 52  # seed 0 of copy, sparse flip-flop, WikiText and counting at least
+    for run in runs:
+        cfg = multirun_config(*yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()))
+        with open_dict(cfg):
+            del cfg["hydra"]
+        row = json.loads((run / "results.jsonl").read_text().splitlines()[0])
+        assert config_hash(group_config(OmegaConf.to_container(cfg, resolve=True))) == row["config_hash"], run.name
