@@ -65,6 +65,26 @@ def test_a_window_beside_a_learned_bias_keeps_the_bias_and_its_gradient():
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-9, atol=1e-12)
 
 
+def test_a_window_trained_in_query_blocks_gives_the_banded_softmaxs_gradients(monkeypatch):
+    """Eager training attends in query blocks, each to the keys from its first query's window on
+    (layer.BlockViews): every block's gradients of q, k and v land on their rows."""
+    from posbench.attention import eager
+    monkeypatch.setattr(eager, "EAGER_TRAIN_BLOCK", 3)  # 13 queries: blocks of 3 and one of 1
+    torch.manual_seed(3)
+    enc = make_encoding("nope", d_model=D_MODEL, n_heads=HEADS)
+    attn = Attention(D_MODEL, HEADS, 0, enc, get_backend("eager", enc), True, window=4).double().train()
+    grads = []
+    for forward in (lambda x: attn(x, PositionContext(enc, torch.arange(13)[None])),
+                    lambda x: banded_attention(x, attn, 4)):
+        x = torch.randn(2, 13, D_MODEL, dtype=torch.float64, generator=torch.Generator().manual_seed(4),
+                        requires_grad=True)
+        attn.zero_grad()
+        forward(x).sin().sum().backward()
+        grads.append((x.grad, attn.qkv.weight.grad.clone(), attn.out.weight.grad.clone()))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
 def test_chunked_evaluation_of_a_window_reads_only_the_windows_keys(backend, monkeypatch):
     cfg = ModelConfig(vocab_size=11, d_model=D_MODEL, n_layers=2, n_heads=HEADS, window=[5, None])

@@ -86,8 +86,12 @@ class Attention(nn.Module):
                 else None
             if room is not None:  # each block writes its part of it in place: no gradient may pass
                 (q, k, v), call.decay_room = room, True
-            y = torch.cat([self.attend_block(q, k, v, call, positions, start, min(length, start + block))
-                           for start in range(0, length, block)], dim=2)  # [B, H, L, d]
+            spans = [self.block_span(call, start, min(length, start + block), q.shape[-2], k.shape[-2])
+                     for start in range(0, length, block)]
+            views = BlockViews.apply(q, k, v, spans) if torch.is_grad_enabled() else \
+                [view for span in spans for view in block_views(q, k, v, span)]
+            y = torch.cat([self.attend_block(*views[3 * i:3 * i + 3], call, positions, span)
+                           for i, span in enumerate(spans)], dim=2)  # [B, H, L, d]
         if "output" in encoding.hooks:
             y = encoding.output(y, x, self.layer)  # [B, H, L, d]
         return self.out(y.transpose(1, 2).reshape(b, length, d_model))  # [B, L, D]
@@ -110,12 +114,16 @@ class Attention(nn.Module):
             return block
         return None
 
-    def attend_block(self, q, k, v, call: AttentionCall, positions: PositionContext, start: int,
-                     stop: int) -> torch.Tensor:
-        """Queries start:stop against the keys they may see: their prefix when causal, from the
-        window's start when there is one."""
-        end = stop + k.shape[-2] - q.shape[-2] if self.causal else k.shape[-2]
+    def block_span(self, call: AttentionCall, start: int, stop: int, queries: int, keys: int) -> tuple:
+        """(start, stop, first, end): queries start:stop and the keys first:end they may see, their
+        prefix when causal, from the window's start when there is one."""
+        end = stop + keys - queries if self.causal else keys
         first = max(0, call.q_start + start - self.window + 1) if self.causal and self.window else 0
+        return start, stop, first, end
+
+    def attend_block(self, q, k, v, call: AttentionCall, positions: PositionContext, span: tuple) -> torch.Tensor:
+        """One block of queries q [B, H, stop - start, d] against its keys and values [B, H, end - first, d]."""
+        start, stop, first, end = span
         bake = False
         if self.training:
             full = positions.bias(self.layer)
@@ -125,5 +133,32 @@ class Attention(nn.Module):
             bias = positions.block_bias(self.layer, start, stop, end, bake)
             bias = None if bias is None else bias[..., first:]
         block = call.block(start, stop, first, end, bias, mask_in_bias=bake and bias is not None)
-        return self.backend.attend(q[:, :, start:stop], k[:, :, first:end], v[:, :, first:end],
-                                   block)  # [B, H, stop - start, d]
+        return self.backend.attend(q, k, v, block)  # [B, H, stop - start, d]
+
+
+def block_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: tuple) -> tuple[torch.Tensor, ...]:
+    """A block's queries q[:, :, start:stop] and its keys and values [:, :, first:end]."""
+    start, stop, first, end = span
+    return q[:, :, start:stop], k[:, :, first:end], v[:, :, first:end]
+
+
+class BlockViews(torch.autograd.Function):
+    """Every block's views of q, k and v at once. Backward adds each block's gradients into one buffer
+    per tensor; autograd's own backward of each slice would write it into a zeroed tensor of the whole
+    size and add those, three full passes per block and tensor."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, spans):
+        ctx.spans, ctx.inputs = spans, [(t.shape, t.dtype, t.device) for t in (q, k, v)]
+        return tuple(view for span in spans for view in block_views(q, k, v, span))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        full = [torch.zeros(shape, dtype=dtype, device=device) if needed else None
+                for (shape, dtype, device), needed in zip(ctx.inputs, ctx.needs_input_grad)]  # dq, dk, dv
+        for i, (start, stop, first, end) in enumerate(ctx.spans):
+            rows = ((start, stop), (first, end), (first, end))  # of q, k and v
+            for whole, (low, high), grad in zip(full, rows, grads[3 * i:3 * i + 3]):
+                if whole is not None and grad is not None:
+                    whole[:, :, low:high] += grad
+        return (*full, None)

@@ -36,7 +36,7 @@ class _Positional(torch.autograd.Function):
     """logits + r / sqrt(d) with a backward written out: autograd of the formula keeps a dozen [B, H, Lq, Lk]
     tensors and makes twice the passes over them. e comes scaled, e / sqrt(d), so z = q . e[n] / sqrt(d).
 
-    forward: g = sigmoid(q . k / sqrt(d)), 0 where hidden (-inf added); p = min(sum_{t >= j} g_t, rows - 1),
+    forward: g = sigmoid(q . k / sqrt(d)), 0 where hidden; p = min(sum_{t >= j} g_t, rows - 1),
     f = floor p, w = p - f; r / sqrt(d) = z[f] + w (z[f + 1] - z[f]), the floor/ceil form's value.
     backward: z[f] gets (1 - w) dr, z[f + 1] gets w dr; dp = dr (z[f + 1] - z[f]), 0 where w = 0 (as in the
     floor/ceil form, whose two rows meet there, clamped p included); dg_t = sum_{j <= t} dp_j, a plain
@@ -49,15 +49,14 @@ class _Positional(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, q, k, e, hidden, scale, gates_from_logits):
         # logits: [B, H, Lq, Lk]; q: [B, H, Lq, d]; k: [B, H, Lk, d]; e: [rows + 1, d] / sqrt(d) in the compute
-        # dtype, its last row never weighs; hidden: -inf where hidden, else 0, over the last keys [Lq, c], or None
+        # dtype, its last row never weighs; hidden: True where hidden, over the last keys [Lq, c], or None
         q, k = q.contiguous(), k.contiguous()  # once for the products here and in backward
         if gates_from_logits:
-            gates = logits.to(e.dtype, copy=True)  # [B, H, Lq, Lk]
+            gates = torch.sigmoid(logits.to(e.dtype))  # [B, H, Lq, Lk]
         else:
-            gates = (q @ k.transpose(-2, -1)).to(e.dtype).mul_(scale)  # [B, H, Lq, Lk]
+            gates = (q @ k.transpose(-2, -1)).to(e.dtype).mul_(scale).sigmoid_()  # [B, H, Lq, Lk]
         if hidden is not None:
-            gates[..., -hidden.shape[-1]:] += hidden
-        gates.sigmoid_()
+            gates[..., -hidden.shape[-1]:].masked_fill_(hidden, 0.0)
         scratch = gates.flip(-1).cumsum_(-1)  # the sums over t >= j, keys reversed
         p = scratch.flip(-1)  # [B, H, Lq, Lk]
         rows = e.shape[0] - 1
@@ -128,7 +127,6 @@ class CoPE(Encoding):
         hidden = None
         if visible is not None and not visible.all():
             first = int((~visible).any(0).nonzero()[0])  # the first key hidden from some query
-            hidden = torch.zeros(visible[:, first:].shape, dtype=compute, device=q.device).masked_fill_(
-                ~visible[:, first:], float("-inf"))  # [Lq, Lk - first]
+            hidden = ~visible[:, first:]  # [Lq, Lk - first]
         # CoPE alone gets logits = q . k / sqrt(d); beside other parts they may hold a bias or decay too
         return _Positional.apply(logits, q, k, e, hidden, scale, call.encoding is self)
