@@ -419,8 +419,7 @@ def frontier(task: str) -> str:
 
 FRONTIER_TASKS = (  # (task, column, the window past N it is scored over, in units of N)
     ("copy", "copy, stop scored", (1, 2)), ("flip_flop_sparse", "flip-flop, sparse", (1, 2)),
-    ("wikitext", "WikiText-2 bytes, perplexity over (N, 8N]", (1, math.inf)), ("counting", "counting", (1, 2)),
-    ("mqar", "MQAR", (1, 2)))
+    ("wikitext", "WikiText-2 bytes, perplexity over (N, 8N]", (1, math.inf)), ("counting", "counting", (1, 2)))
 FRONTIER_COST = REFERENCE / "frontier" / "cost.csv"  # scripts/benchmark_encodings.py --methods ... --out
 
 
