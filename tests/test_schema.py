@@ -90,7 +90,8 @@ def test_added_settings_derive_from_the_schema():
                               "train.schedule": "cosine", "encoding.rotary_fraction": 1.0,
                               "encoding.frequency_fraction": 1.0, "encoding.frequency_cut": "none",
                               "encoding.short_factors": None, "encoding.long_factors": None,
-                              "encoding.start_positions": 0, "encoding.scale_base": None, "task.eos": False}
+                              "encoding.start_positions": 0, "encoding.scale_base": None, "task.eos": False,
+                              "encoding.k_shift": False, "encoding.v_shift": False}
     for s in SETTINGS:  # the default job is the one before the setting existed
         if s.added:
             assert s.default == s.before, s.key
