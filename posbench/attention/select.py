@@ -10,16 +10,20 @@ from posbench.attention.sdpa import SdpaBackend
 from posbench.encodings.base import Encoding
 
 BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (EagerBackend, SdpaBackend, FlexBackend)}
+FLEX_IN_COMPILE = ("backend=flex cannot train inside train.compile=true: inductor failed to lower the compiled "
+                   "model's FlexAttention (torch 2.11, alibi and fox on an H200: ShapeAsConstantBuffer); use "
+                   "backend=auto (sdpa there) or train.compile=false")
 
 
-def get_backend(name: str, encoding: Encoding | None = None, device: torch.device | None = None) -> Backend:
+def get_backend(name: str, encoding: Encoding | None = None, device: torch.device | None = None,
+                compiled: bool = False) -> Backend:
     """A backend by name; `auto` takes the fastest one that runs every hook the encoding needs on
     the device, for training and evaluation alike: on CUDA flex for a bias with a score_mod or a
     decay (SDPA would take a dense mask, or a head size the flash kernel refuses) where heads have
-    at least 16 features (flex's CUDA kernels refuse fewer) and flex can differentiate it
-    (Encoding.flex_trains), else sdpa; on CPU sdpa (its fused kernel with the causal flag beat
-    compiled flex 1.4-1.7x in evaluation at 4k tokens, and flex cannot train there); eager for
-    hooks neither runs."""
+    at least 16 features (flex's CUDA kernels refuse fewer), flex can differentiate it
+    (Encoding.flex_trains) and the model is not trained compiled (`compiled`: FLEX_IN_COMPILE),
+    else sdpa; on CPU sdpa (its fused kernel with the causal flag beat compiled flex 1.4-1.7x in
+    evaluation at 4k tokens, and flex cannot train there); eager for hooks neither runs."""
     if name == "auto":
         if encoding is None:
             raise ValueError("backend=auto needs the encoding to choose for")
@@ -27,7 +31,7 @@ def get_backend(name: str, encoding: Encoding | None = None, device: torch.devic
         name = "sdpa" if needed <= SdpaBackend.supported_hooks else "eager"
         head_dim = encoding.dims.d_model // encoding.dims.n_heads
         if (name == "sdpa" and needed & {"bias", "decay"} and device is not None and torch.device(device).type == "cuda"
-                and head_dim >= CUDA_MIN_HEAD_DIM and encoding.flex_trains):
+                and head_dim >= CUDA_MIN_HEAD_DIM and encoding.flex_trains and not compiled):
             try:
                 FlexBackend().check(encoding)
                 name = "flex"
