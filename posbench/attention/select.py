@@ -10,6 +10,7 @@ from posbench.attention.sdpa import SdpaBackend
 from posbench.encodings.base import Encoding
 
 BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (EagerBackend, SdpaBackend, FlexBackend)}
+# the causal mask_mod closes over lk - lq, a derived symbolic size under dynamic=True (pytorch issue 182606)
 FLEX_IN_COMPILE = ("backend=flex cannot train inside train.compile=true: inductor failed to lower the compiled "
                    "model's FlexAttention (torch 2.11, alibi and fox on an H200: ShapeAsConstantBuffer); use "
                    "backend=auto (sdpa there) or train.compile=false")
