@@ -6,6 +6,7 @@
     (each with --out FILE.csv; an --encodings entry may be a variant, name+key=value, e.g.
     rope+frequency_fraction=0.25)
     python scripts/benchmark_scale.py figure --train A.csv,B.csv --long C.csv --out scale.png
+    python scripts/benchmark_scale.py blocks [--lengths 1024] [--encodings cope,...] [--rounds 5]
 
 train, eval: one process, one thread, every model built first, then rounds that time each
 model once in turn (floor, a, b, ..., floor, a, b, ...) with process CPU time, so a busy
@@ -17,6 +18,11 @@ x-transformers' decoder of the same shape; `eval` times a no-grad forward with t
 evaluation chunking. Ratios are per round against the floor's time in that round: median
 [min, max] over the timed rounds (one untimed round first). Memory: each model's peak
 resident set during one step over the level before it (posbench.memory, VmHWM reset).
+
+blocks: the training step of each encoding with its eager query blocks' q, k and v views taken
+from posbench.attention.layer.BlockViews (one gradient buffer per tensor) and from plain slices
+(autograd's slice backward: a zeroed whole-size tensor per block), in turn in each round (in
+alternating order), in one process: the ratio views / slices per round, median [min, max].
 
 long: `python -m posbench encoding=E task=copy train.length=128 train.steps=0 eval.lengths=[n]
 eval.samples=1 eval.batch_size=1` in a subprocess per (encoding, tokens) with the default model,
@@ -163,6 +169,43 @@ def interleaved(args, training: bool) -> list[dict]:
     return rows
 
 
+def block_views_against_slices(args) -> list[dict]:
+    import torch
+
+    from posbench.attention import layer
+
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    views = layer.BlockViews.apply
+
+    def slices(q, k, v, spans):
+        return [view for span in spans for view in layer.block_views(q, k, v, span)]
+
+    rows = []
+    for tokens in args.lengths:
+        for encoding in args.encodings:
+            step, backend = posbench_step(encoding, tokens, True)
+            times = {"slices": [], "views": []}
+            try:
+                for round_ in range(args.rounds + 1):  # the order alternates: a drift favours neither
+                    for name, take in (("slices", slices), ("views", views))[::1 if round_ % 2 else -1]:
+                        layer.BlockViews.apply = take
+                        start = time.process_time()
+                        step()
+                        times[name].append(time.process_time() - start)
+                    log(f"{encoding} {tokens} tokens, round {round_}: slices {times['slices'][-1]:.2f}s, "
+                        f"views {times['views'][-1]:.2f}s")
+            finally:
+                layer.BlockViews.apply = views
+            ratios = [v / s for v, s in zip(times["views"][1:], times["slices"][1:])]
+            rows.append({"mode": "blocks", "name": encoding, "backend": backend, "tokens": tokens,
+                         "slices_seconds_median": statistics.median(times["slices"][1:]),
+                         "views_seconds_median": statistics.median(times["views"][1:]),
+                         "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
+                         "ratio_max": max(ratios), "rounds": args.rounds})
+    return rows
+
+
 def long_evaluation(args) -> list[dict]:
     rows = []
     for tokens in args.tokens:
@@ -197,6 +240,14 @@ def fmt(value, spec: str) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
+    if rows[0]["mode"] == "blocks":
+        lines = ["| encoding | backend | tokens | slices s per step | views s per step "
+                 "| views / slices, median [min, max] |", "|---|---|---:|---:|---:|---|"]
+        for r in rows:
+            lines.append(f"| {r['name']} | {r['backend']} | {r['tokens']} | {r['slices_seconds_median']:.2f} | "
+                         f"{r['views_seconds_median']:.2f} | {r['ratio_median']:.3f} [{r['ratio_min']:.3f}, "
+                         f"{r['ratio_max']:.3f}] |")
+        return "\n".join(lines)
     if rows[0]["mode"] == "long":
         lines = ["| encoding | backend | tokens | status | wall s | tokens/s | peak MiB | peak vs nope |",
                  "|---|---|---:|---|---:|---:|---:|---:|"]
@@ -261,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=["train", "eval", "long", "figure"])
+    parser.add_argument("part", choices=["train", "eval", "long", "figure", "blocks"])
     parser.add_argument("--train", help="figure: comma-separated CSVs of the train part")
     parser.add_argument("--long", help="figure: the CSV of the long part")
     parser.add_argument("--encodings", help="comma-separated registry names, or variants name+key=value "
@@ -281,13 +332,17 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted({name.split("+")[0] for name in names} - set(REGISTRY))
     if unknown:
         raise SystemExit(f"--encodings: unknown {unknown}; registered: {sorted(REGISTRY)}")
-    args.encodings = [FLOOR] + [n for n in dict.fromkeys(names) if n != FLOOR]
-    default_lengths = "1024,2048" if args.part == "train" else "4096"
+    names = list(dict.fromkeys(names))
+    args.encodings = names if args.part == "blocks" else [FLOOR] + [n for n in names if n != FLOOR]
+    default_lengths = {"train": "1024,2048", "blocks": "1024"}.get(args.part, "4096")
     args.lengths = [int(n) for n in (args.lengths or default_lengths).split(",")]
     args.tokens = [int(n) for n in args.tokens.split(",")]
     if args.rounds < 1:
         raise SystemExit(f"--rounds={args.rounds} must be >= 1")
-    rows = long_evaluation(args) if args.part == "long" else interleaved(args, args.part == "train")
+    if args.part == "blocks":
+        rows = block_views_against_slices(args)
+    else:
+        rows = long_evaluation(args) if args.part == "long" else interleaved(args, args.part == "train")
     print(markdown(rows))
     if args.out:
         with open(args.out, "w", newline="") as handle:

@@ -1,4 +1,5 @@
-"""scripts/benchmark_encodings.py: a real run on two encodings, and the ratio arithmetic."""
+"""scripts/benchmark_encodings.py: a real run on two encodings, and the ratio arithmetic; the block views
+part of scripts/benchmark_scale.py, run for real."""
 import csv
 import importlib.util
 import subprocess
@@ -97,3 +98,17 @@ def test_bad_options_are_refused(flag):
     result = subprocess.run([sys.executable, str(SCRIPT), "--encodings", "nope", *flag], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and flag[0] in result.stderr
+
+
+def test_block_views_are_timed_against_plain_slices(tmp_path):
+    """131 tokens: two eager query blocks (128 and 3), so both ways of taking their views run."""
+    out = tmp_path / "blocks.csv"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_scale.py"), "blocks", "--lengths", "131",
+                             "--encodings", "cope", "--rounds", "1", "--out", str(out)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    (row,) = csv.DictReader(out.open())
+    assert (row["name"], row["backend"], row["tokens"]) == ("cope", "eager", "131")
+    slices, views = float(row["slices_seconds_median"]), float(row["views_seconds_median"])
+    assert slices > 0 and views > 0 and float(row["ratio_median"]) == pytest.approx(views / slices)
+    assert table_rows(result.stdout)[0][:3] == ["cope", "eager", "131"]
