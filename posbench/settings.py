@@ -236,6 +236,7 @@ ADDED_PARAMETERS = {
     "encoding.frequency_fraction": 1.0, "encoding.frequency_cut": "none",  # rope's (p-RoPE, HoPE)
     "encoding.short_factors": None, "encoding.long_factors": None,  # rope's (longrope)
     "encoding.start_positions": 0,  # rope's (longrope's start tokens)
+    "encoding.resonance": False,  # rope's (Resonance RoPE)
     "encoding.scale_base": None,  # self_extend's query log-scale (xpos's own scale_base is never null)
     "encoding.k_shift": False, "encoding.v_shift": False,  # fox's token shifts (the Pro block)
     "task.eos": False,  # copy's, reverse's and sort's

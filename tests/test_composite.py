@@ -121,7 +121,8 @@ def test_params_record_parts_rule_and_each_parts_settings():
     assert params == {"parts": ["rope", "t5"], "embed_rule": "error",
                       "rope": {"base": 10000.0, "layout": "half", "scaling": "none", "scaling_factor": None,
                                "original_positions": None, "rotary_fraction": 1.0, "frequency_fraction": 1.0,
-                               "frequency_cut": "none", "short_factors": None, "long_factors": None},
+                               "frequency_cut": "none", "short_factors": None, "long_factors": None,
+                               "resonance": False},
                       "t5": {"num_buckets": 16, "max_distance": 128, "bidirectional": False, "bucketed": True}}
     json.dumps(params)  # result rows are JSON
 

@@ -186,7 +186,8 @@ def test_no_scaling_ignores_the_evaluation_length():
     assert torch.equal(enc.inv_freq, original) and enc.attention_factor == 1.0
     assert enc.params() == {"base": 10000.0, "layout": "half", "scaling": "none", "scaling_factor": None,
                             "original_positions": None, "rotary_fraction": 1.0, "frequency_fraction": 1.0,
-                            "frequency_cut": "none", "short_factors": None, "long_factors": None}
+                            "frequency_cut": "none", "short_factors": None, "long_factors": None,
+                            "resonance": False}
 
 
 def test_forced_scaling_factor_replaces_the_length_ratio():
@@ -279,7 +280,8 @@ def test_scaling_is_set_from_the_command_line():
                   torch.device("cpu"))
     assert built.encoding.params() == {"base": 10000.0, "layout": "half", "scaling": "yarn", "scaling_factor": 4.0,
                                        "original_positions": None, "rotary_fraction": 1.0, "frequency_fraction": 1.0,
-                                       "frequency_cut": "none", "short_factors": None, "long_factors": None}
+                                       "frequency_cut": "none", "short_factors": None, "long_factors": None,
+                                       "resonance": False}
 
 
 # --- HF transformers ROPE_INIT_FUNCTIONS -------------------------------------------------------

@@ -1,6 +1,7 @@
-"""The rope settings of 2024-25: p-RoPE (encoding.frequency_fraction), HoPE (encoding.frequency_cut=hope)
-and LongRoPE (encoding.scaling=longrope with short_factors / long_factors, and its start positions
-against the official start-token rule written out one position at a time). Formulas in float64, the
+"""The rope settings of 2024-25: p-RoPE (encoding.frequency_fraction), HoPE (encoding.frequency_cut=hope),
+LongRoPE (encoding.scaling=longrope with short_factors / long_factors, and its start positions
+against the official start-token rule written out one position at a time) and Resonance RoPE
+(encoding.resonance, against the official cos / sin tables written out pair by pair). Formulas in float64, the
 difference from partial rotation, the defaults as before the settings existed, refusals, the config
 hash, and equivalence with transformers' proportional and longrope rules and with Gemma's
 rope_proportion rule written out here (transformers tests skipped when it is missing)."""
@@ -441,7 +442,7 @@ def test_settings_from_the_command_line_and_in_a_composite():
 
 @pytest.mark.parametrize("key,other", [("encoding.frequency_fraction", 0.5), ("encoding.frequency_cut", "hope"),
                                        ("encoding.short_factors", [1.0] * 4), ("encoding.long_factors", [2.0] * 4),
-                                       ("encoding.start_positions", 4)])
+                                       ("encoding.start_positions", 4), ("encoding.resonance", True)])
 def test_new_settings_keep_old_hashes_and_separate_new_runs(key, other):
     """At their defaults the settings drop out of the group (runs made before them keep their hash);
     any other value is part of it."""
@@ -463,3 +464,83 @@ def test_rope_2d_takes_longrope_through_the_shared_table():
     expected, factor = SCALINGS["longrope"](8, 100.0, 8, 16)
     assert enc.inv_freq.tolist() == pytest.approx(expected.tolist(), rel=1e-6)
     assert factor == pytest.approx(math.sqrt(1 + math.log(2) / math.log(8)), rel=1e-15) == enc.attention_factor
+
+
+# --- Resonance RoPE: resonance ------------------------------------------------------------------
+
+def official_resonance_angles(head_dim: int, length: int, wavelengths: list[float], freqs: list[float]):
+    """The official tables' angles (sheryc/resonance_rope, rotary_resonance.py, compute_freqs), pair by pair:
+    a pair whose integer wavelength fits in the length repeats arange(wavelength) * theta' over it,
+    the others run arange(length) * theta'. -> [length, d/2] float64."""
+    angles = torch.zeros(length, head_dim // 2, dtype=torch.float64)
+    for m in range(head_dim // 2):
+        for k in range(length):
+            step = k % int(wavelengths[m]) if length >= wavelengths[m] else k
+            angles[k, m] = step * freqs[m]
+    return angles
+
+
+def test_resonance_rounds_every_wavelength_to_an_integer():
+    enc = RoPE(dims(), resonance=True)
+    wavelengths = [round(2 * math.pi / theta(m)) for m in range(HEAD_DIM // 2)]  # 6, 20, 63, 199, 628, ...
+    assert wavelengths[:3] == [6, 20, 63]
+    expected = torch.tensor([2 * math.pi / w for w in wavelengths], dtype=torch.float64)
+    torch.testing.assert_close(enc.inv_freq, expected, rtol=1e-15, atol=0)
+    assert enc.params()["resonance"] is True and RoPE(dims()).params()["resonance"] is False
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_resonance_rotates_as_the_official_tables(layout):
+    """300 positions: the first four pairs' wavelengths (6, 20, 63, 199) fit and repeat, the others run on."""
+    enc = RoPE(dims(), resonance=True, layout=layout).double()
+    length = 300
+    q = torch.randn(1, HEADS, length, HEAD_DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(length)[None]
+    got, _ = enc.qk(q, q, pos, pos, 0)
+    wavelengths = [round(2 * math.pi / theta(m)) for m in range(HEAD_DIM // 2)]
+    angles = official_resonance_angles(HEAD_DIM, length, wavelengths, [2 * math.pi / w for w in wavelengths])
+    expected = q.clone()
+    for m, (a, b) in enumerate(pairs(HEAD_DIM, layout)):
+        cos, sin = angles[:, m].cos(), angles[:, m].sin()  # [L]
+        expected[..., a] = q[..., a] * cos - q[..., b] * sin
+        expected[..., b] = q[..., a] * sin + q[..., b] * cos
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def test_resonance_is_shift_invariant_far_past_any_period():
+    enc = RoPE(dims(), resonance=True).double()
+    q, k = qk_pair()
+    pos = torch.arange(SEQ)[None]
+
+    def logits(shift):
+        q_r, k_r = enc.qk(q, k, pos + shift, pos + shift, 0)
+        return q_r @ k_r.transpose(-1, -2)  # [1, H, L, L]
+
+    torch.testing.assert_close(logits(100_003), logits(0), rtol=0, atol=1e-10)
+
+
+def test_resonance_keeps_float32_angles_exact_at_a_million_positions():
+    """Angles from k mod lambda stay below 2 pi: in float32 the rotation at position 10^6 is the float64
+    one (k theta' in float32 there would be off by a whole ulp of 10^6 radians, about 0.06)."""
+    enc = RoPE(dims(), resonance=True)
+    q, k = qk_pair(dtype=torch.float32)
+    pos = torch.arange(SEQ)[None] + 1_000_000
+    got, _ = enc.qk(q, k, pos, pos, 0)
+    want, _ = copy.deepcopy(enc).double().qk(q.double(), k.double(), pos, pos, 0)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+
+
+def test_resonance_rounds_after_the_scaling_and_keeps_still_pairs_still():
+    """Resonance YaRN: the rounding acts on YaRN's frequencies past N; p-RoPE's cut pairs stay at 0."""
+    enc = RoPE(dims(), scaling="yarn", resonance=True, frequency_fraction=0.75)
+    enc.set_eval_length(64, 256)
+    yarn_freq, factor = SCALINGS["yarn"](HEAD_DIM, 10000.0, 64, 256, None)
+    expected = 2 * math.pi / torch.round(2 * math.pi / yarn_freq)
+    expected[6:] = 0.0  # floor(0.75 * 8) = 6 pairs kept
+    torch.testing.assert_close(enc.inv_freq, expected, rtol=1e-15, atol=0)
+    assert enc.attention_factor == factor
+    q, k = qk_pair()
+    pos = torch.arange(SEQ)[None]
+    rotated, _ = enc.qk(q, k, pos, pos, 0)
+    still = [f for a, b in pairs(HEAD_DIM, "half")[6:] for f in (a, b)]
+    torch.testing.assert_close(rotated[..., still], q[..., still] * factor, rtol=0, atol=1e-15)

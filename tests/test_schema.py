@@ -91,7 +91,7 @@ def test_added_settings_derive_from_the_schema():
                               "encoding.frequency_fraction": 1.0, "encoding.frequency_cut": "none",
                               "encoding.short_factors": None, "encoding.long_factors": None,
                               "encoding.start_positions": 0, "encoding.scale_base": None, "task.eos": False,
-                              "encoding.k_shift": False, "encoding.v_shift": False}
+                              "encoding.k_shift": False, "encoding.v_shift": False, "encoding.resonance": False}
     for s in SETTINGS:  # the default job is the one before the setting existed
         if s.added:
             assert s.default == s.before, s.key

@@ -47,6 +47,14 @@ training and in evaluation, whatever the scaling:
                model's train_positions, never the evaluation length)
 With both, the fewer K wins. p = 1 and cut none leave every frequency as it was.
 
+Resonance RoPE (Wang et al. 2024, arXiv 2403.00071; sheryc/resonance_rope): `resonance=true` rounds
+every pair's wavelength 2 pi / theta to the nearest integer after the scaling (so with yarn it is
+Resonance YaRN), theta' = 2 pi / round(2 pi / theta), and rotates pair m by (k mod lambda_m) theta'_m,
+lambda_m the integer wavelength: angles repeat exactly every lambda_m positions, so a pair whose
+wavelength fits in the training positions meets no angle past N it has not met (the official
+code builds its cos and sin tables the same way, per pair from arange(lambda_m) repeated). Pairs
+at frequency 0 (p-RoPE, HoPE) stay still.
+
 LongRoPE's start positions (microsoft/LongRoPE, `longrope` branch,
 rope/LlamaLongRoPEScaledStartTokenRotaryEmbedding.py): the first n̂ rows of the scaled cos and sin
 (which carry the attention factor m) are overwritten by plain rope's (no factor). So a position
@@ -63,7 +71,7 @@ from typing import Callable
 
 import torch
 
-from posbench.checks import Integer, Items, Real
+from posbench.checks import Flag, Integer, Items, Real
 from posbench.encodings.base import Encoding, ModelDims, check_choice
 
 LAYOUTS = ("half", "interleaved")
@@ -82,6 +90,20 @@ def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, layout: s
     compute = torch.promote_types(x.dtype, torch.float32)
     angles = pos.to(compute)[:, None, :, None] * inv_freq.to(compute)  # [B', 1, L, d/2]
     return rotate_by_angles(x, angles, layout)
+
+
+def resonant(inv_freq: torch.Tensor) -> torch.Tensor:
+    """Resonance RoPE's theta' = 2 pi / round(2 pi / theta) per pair; 0 stays 0 (a pair that never turns). [d/2]."""
+    wavelength = torch.round(2 * math.pi / inv_freq).clamp(min=1)  # [d/2]; inf where theta = 0
+    return 2 * math.pi / wavelength
+
+
+def resonant_angles(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(k mod lambda_m) theta'_m, lambda_m = 2 pi / theta'_m an integer (inf for a still pair): every
+    angle below 2 pi, so periods stay exact at any position. pos: [B', L] -> [B', 1, L, d/2]."""
+    wavelength = torch.round(2 * math.pi / inv_freq.double())  # [d/2]
+    steps = torch.remainder(pos.double()[:, None, :, None], wavelength)  # [B', 1, L, d/2]
+    return (steps * inv_freq.double()).to(dtype)
 
 
 def rotate_by_angles(x: torch.Tensor, angles: torch.Tensor, layout: str) -> torch.Tensor:
@@ -221,7 +243,8 @@ class RoPE(Encoding):
     frequency_fraction, frequency_cut: which rotated pairs keep their frequency (p-RoPE, HoPE; the
     module docstring); the others get frequency 0.
     short_factors, long_factors: longrope's lambda_m, one per rotated pair (null: 1, and s).
-    start_positions: longrope's n̂, the first positions kept at rope's theta_m and factor 1 (0: none)."""
+    start_positions: longrope's n̂, the first positions kept at rope's theta_m and factor 1 (0: none).
+    resonance: Resonance RoPE's integer wavelengths (the module docstring)."""
 
     name = "rope"
     hooks = frozenset({"qk"})
@@ -231,8 +254,9 @@ class RoPE(Encoding):
                  scaling_factor: float | None = None, original_positions: int | None = None,
                  rotary_fraction: float = 1.0, frequency_fraction: float = 1.0, frequency_cut: str = "none",
                  short_factors: list[float] | None = None, long_factors: list[float] | None = None,
-                 start_positions: int = 0):
+                 start_positions: int = 0, resonance: bool = False):
         super().__init__(dims)
+        self.resonance = Flag()("encoding.resonance", resonance, self.name)
         check_choice(self.name, "encoding.layout", layout, LAYOUTS)
         check_choice(self.name, "encoding.scaling", scaling, SCALINGS)
         check_choice(self.name, "encoding.frequency_cut", frequency_cut, FREQUENCY_CUTS)
@@ -294,13 +318,16 @@ class RoPE(Encoding):
                 "scaling_factor": self.scaling_factor, "original_positions": self.original_positions,
                 "rotary_fraction": self.rotary_fraction, "frequency_fraction": self.frequency_fraction,
                 "frequency_cut": self.frequency_cut, **self.factor_lists,
-                **({"start_positions": self.start_positions} if self.scaling == "longrope" else {})}  # its only use
+                **({"start_positions": self.start_positions} if self.scaling == "longrope" else {}),  # its only use
+                "resonance": self.resonance}
 
     def frequencies(self, scaling: str, train_positions: int, eval_positions: int) -> tuple[torch.Tensor, float]:
         """The scaling's (inv_freq [d'/2] float64, attention factor), the pairs past kept_pairs at frequency 0."""
         options = self.factor_lists if scaling == "longrope" else {}
         inv_freq, attention_factor = SCALINGS[scaling](self.rotary_dim, self.base, train_positions, eval_positions,
                                                        self.scaling_factor, **options)
+        if self.resonance:
+            inv_freq = resonant(inv_freq)
         inv_freq[self.kept_pairs:] = 0.0  # p-RoPE / HoPE: these pairs never turn (nothing when all are kept)
         return inv_freq, attention_factor
 
@@ -326,9 +353,14 @@ class RoPE(Encoding):
         """Rotates the first rotary_dim features by inv_freq (default: the current frequencies), the rest
         pass through. x: [B, H, L, d], pos: [B', L] -> [B, H, L, d]."""
         inv_freq = self.inv_freq if inv_freq is None else inv_freq
+        part = x if self.rotary_dim == x.shape[-1] else x[..., :self.rotary_dim]  # [B, H, L, d']
+        if self.resonance:
+            rotated = rotate_by_angles(part, resonant_angles(pos, inv_freq, torch.promote_types(x.dtype, torch.float32)),
+                                       self.layout)
+        else:
+            rotated = rotate(part, pos, inv_freq, self.layout)
         if self.rotary_dim == x.shape[-1]:
-            return rotate(x, pos, inv_freq, self.layout)
-        rotated = rotate(x[..., :self.rotary_dim], pos, inv_freq, self.layout)  # [B, H, L, d']
+            return rotated
         return torch.cat((rotated, x[..., self.rotary_dim:]), dim=-1)  # [B, H, L, d]
 
     def place(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
