@@ -11,7 +11,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from posbench.attention import FLEX_IN_COMPILE, get_backend
+from posbench.attention import get_backend
 from posbench.encodings.base import Encoding, ModelDims
 from posbench.guard import GuardResult, check_run, translate_oom
 from posbench.model import ModelConfig, Transformer
@@ -98,8 +98,6 @@ def build_checked(cfg: DictConfig, device: torch.device) -> Built:
     torch.manual_seed(cfg.seed + 1)  # the model's initialisation must not depend on the encoding's table size
     trains = int(cfg.train.steps) > 0
     backend = get_backend(cfg.backend.name, encoding, device, compiled=bool(cfg.train.compile) and trains)
-    if backend.name == "flex" and cfg.train.compile and trains:
-        raise ValueError(FLEX_IN_COMPILE)
     if backend.name == "flex" and device.type == "cpu" and trains:
         raise ValueError("backend=flex trains on CUDA only; on CPU it evaluates (train.steps=0 with "
                          "train.init_from); use backend=sdpa or auto for training")

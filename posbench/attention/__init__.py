@@ -7,7 +7,7 @@ from posbench.attention.eager import EagerBackend
 from posbench.attention.flex import FlexBackend
 from posbench.attention.layer import Attention, query_key_hooks
 from posbench.attention.sdpa import SdpaBackend
-from posbench.attention.select import BACKENDS, FLEX_IN_COMPILE, get_backend
+from posbench.attention.select import BACKENDS, get_backend
 
-__all__ = ["BACKENDS", "FLEX_IN_COMPILE", "Attention", "AttentionCall", "Backend", "EagerBackend", "FlexBackend",
-           "PositionContext", "SdpaBackend", "causal_mask", "get_backend", "query_key_hooks"]
+__all__ = ["BACKENDS", "Attention", "AttentionCall", "Backend", "EagerBackend", "FlexBackend", "PositionContext",
+           "SdpaBackend", "causal_mask", "get_backend", "query_key_hooks"]

@@ -22,9 +22,10 @@ def get_backend(name: str, encoding: Encoding | None = None, device: torch.devic
     the device, for training and evaluation alike: on CUDA flex for a bias with a score_mod or a
     decay (SDPA would take a dense mask, or a head size the flash kernel refuses) where heads have
     at least 16 features (flex's CUDA kernels refuse fewer), flex can differentiate it
-    (Encoding.flex_trains) and the model is not trained compiled (`compiled`: FLEX_IN_COMPILE),
-    else sdpa; on CPU sdpa (its fused kernel with the causal flag beat compiled flex 1.4-1.7x in
-    evaluation at 4k tokens, and flex cannot train there); eager for hooks neither runs."""
+    (Encoding.flex_trains) and the model is not trained compiled (`compiled`: flex is refused there,
+    FLEX_IN_COMPILE), else sdpa; on CPU sdpa (its fused kernel with the causal flag beat compiled
+    flex 1.4-1.7x in evaluation at 4k tokens, and flex cannot train there); eager for hooks neither
+    runs."""
     if name == "auto":
         if encoding is None:
             raise ValueError("backend=auto needs the encoding to choose for")
@@ -40,4 +41,6 @@ def get_backend(name: str, encoding: Encoding | None = None, device: torch.devic
                 pass
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {['auto', *sorted(BACKENDS)]}")
+    if name == "flex" and compiled:
+        raise ValueError(FLEX_IN_COMPILE)
     return BACKENDS[name]()
