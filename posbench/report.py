@@ -211,6 +211,19 @@ def add_groups(frame):
     return frame
 
 
+def keep_costs_per_device(frame):
+    """Adds devices (each group's devices, sorted). Throughput and memory belong to a machine: in a
+    group whose seeds ran on different devices they are blanked, not averaged across machines;
+    its scores still pool, as the device is not part of the configuration."""
+    frame = frame.copy()
+    devices = frame.groupby("group")["device"].agg(lambda s: ", ".join(sorted(set(s.dropna().astype(str)))))
+    frame["devices"] = frame["group"].map(devices)
+    mixed = frame["devices"].str.contains(",", regex=False)
+    costs = [c for c in ("train_tokens_per_s", *COST_COLUMNS) if c in frame]
+    frame.loc[mixed, costs] = math.nan
+    return frame
+
+
 def task_metrics(frame, metric: str | None) -> dict[str, str]:
     """The headline metric of each task: the one asked for, else the task's primary metric."""
     chosen = {}
@@ -298,7 +311,8 @@ def headline_table(frame, runs, summary, threshold: float):
                   "n_params": first["n_params"], "task": first["task"], "encoding": first["encoding"], "metric": metric,
                   "criterion": criterion(metric, threshold), "train_length": first["train_length"],
                   "longest_length": at_longest["eval_length"], "runs": len(part),
-                  "seeds": ",".join(map(str, sorted(part["seed"]))), "incomplete_runs": int((~part["complete"]).sum())}
+                  "seeds": ",".join(map(str, sorted(part["seed"]))), "devices": first["devices"],
+                  "incomplete_runs": int((~part["complete"]).sum())}
         for score in SCORES:
             record |= {f"{score}_{stat}": v for stat, v in spread(part[score]).items()}
         record["learned"] = learned(metric, record["id_score_mean"])
@@ -552,6 +566,7 @@ def build_blocks(frame, runs, headline, comparison, orderings, figures: dict[str
                       f"lengths {lengths_text(sorted(p['eval_length'].unique()))})"
                       for t, p in frame.groupby("task"))
     sources = sorted({str(Path(s).parent) for s in frame["source"]})
+    mixed = [f"{r['task']} {r['label']} ({r['devices']})" for _, r in headline.iterrows() if "," in r["devices"]]
     blocks += [("h2", "What was run"), ("list", [
         f"{len(runs)} runs ({len(ok_runs)} finished every length, {len(problems)} did not) in "
         f"{len(headline)} groups; a group is a configuration minus the seed"
@@ -564,6 +579,8 @@ def build_blocks(frame, runs, headline, comparison, orderings, figures: dict[str
         f"Devices: {', '.join(sorted(frame['device'].dropna().unique()))}; torch "
         f"{', '.join(sorted(frame['torch'].dropna().unique()))}; commits "
         f"{', '.join(sorted({str(c)[:12] for c in frame['git_commit'].dropna()}))}.",
+        *([f"Groups whose seeds ran on different devices: {', '.join(mixed)}; their throughput and memory "
+           "are left blank, as they belong to one machine."] if mixed else []),
         f"Rows written {frame['time'].min()} to {frame['time'].max()}, read from {', '.join(sources)}.",
         *([f"Skipped input: {skipped_summary(skipped)}, each named under 'Skipped input' below."] if skipped else []),
     ])]
@@ -747,6 +764,7 @@ def write_report(paths, out=None, metric: str | None = None, threshold: float = 
     for line in skipped_lines(skipped):
         print(f"warning: skipped {line}", file=sys.stderr)
     frame = add_groups(frame).sort_values(["task", "label", "seed", "eval_length"]).reset_index(drop=True)
+    frame = keep_costs_per_device(frame)
     metrics = task_metrics(frame, metric)
     runs = run_table(frame, metrics, threshold)
     summary = summary_table(frame)

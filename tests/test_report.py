@@ -89,7 +89,8 @@ def test_spread_over_seeds():
 # ---- the report on written run directories ----------------------------------------------------
 
 def write_run(root: Path, name: str, encoding: str, seed: int, curve: dict, task: str = "copy",
-              encoding_params: dict | None = None, status: dict | None = None, steps_done: int = 20) -> Path:
+              encoding_params: dict | None = None, status: dict | None = None, steps_done: int = 20,
+              device: str = "cpu") -> Path:
     """A run directory as the runner leaves it: config.yaml (20 steps, lengths 2..8) and one row per
     entry of curve (length -> exact match); status overrides a length's status (metrics then None)."""
     run_dir = root / name
@@ -111,7 +112,7 @@ def write_run(root: Path, name: str, encoding: str, seed: int, curve: dict, task
             "loss": 1.0 - exact if measured else None,
             "eval_tokens_per_s": 100.0 * length if measured else None,
             "peak_mem_mb": 10.0 * length if measured else None, "mem_kind": "rss_hwm" if measured else None,
-            "device": "cpu", "torch": "test", "git_commit": "abc", "time": f"2026-01-01T00:00:{length:02d}"}
+            "device": device, "torch": "test", "git_commit": "abc", "time": f"2026-01-01T00:00:{length:02d}"}
         writer.write(row)
     return run_dir
 
@@ -191,6 +192,22 @@ def test_headline_numbers(report):
     partial = headline.loc[("copy", "rope base=500")]
     assert partial["ood_score_mean"] == 1.0 and partial["extrapolation_length_mean"] == 6.0
     assert partial["incomplete_runs"] == 1
+
+
+def test_seeds_on_different_devices_pool_their_scores_but_not_their_costs(tmp_path):
+    write_run(tmp_path, "c0", "alibi", 0, {2: 1.0, 4: 1.0, 6: 0.8, 8: 0.4})
+    write_run(tmp_path, "g1", "alibi", 1, {2: 1.0, 4: 1.0, 6: 0.6, 8: 0.2}, device="cuda")
+    write_run(tmp_path, "r0", "rope", 0, {2: 1.0, 4: 1.0, 6: 0.0, 8: 0.0})
+    out = write_report([tmp_path], out=tmp_path / "report")
+    headline = read(out, "headline.csv").set_index("label")
+    alibi, rope = headline.loc["alibi"], headline.loc["rope"]
+    assert alibi["devices"] == "cpu, cuda" and alibi["runs"] == 2
+    assert alibi["ood_score_mean"] == pytest.approx(0.5)  # (0.8 + 0.4) / 2 and (0.6 + 0.2) / 2
+    assert math.isnan(alibi["train_tokens_per_s_mean"]) and math.isnan(alibi["eval_tokens_per_s_at_longest_mean"])
+    assert math.isnan(alibi["peak_mem_mb_at_longest_mean"])
+    assert rope["devices"] == "cpu" and rope["train_tokens_per_s_mean"] == 1000.0
+    assert rope["peak_mem_mb_at_longest_mean"] == 80.0
+    assert "different devices: copy alibi (cpu, cuda)" in (out / "report.md").read_text()
 
 
 def test_ranking_is_the_mean_reciprocal_rank_over_tasks(report):
