@@ -168,8 +168,8 @@ def add_groups(frame):
     smallest group, so an encoding's own parameters such as learned's table leave it at its
     model's size; else ""), curve_label (the encoding plus the other settings that tell its groups
     apart), setting (those settings other than the encoding's: the groups whose encodings are
-    compared share it), encoding_label (curve_label less the setting) and label (curve_label and
-    the size: one per group)."""
+    compared share it), encoding_label (curve_label less the setting), label (curve_label and
+    the size: one per group) and devices (keep_costs_per_device)."""
     frame = frame.copy()
     frame["steps"] = [configured_steps(src) or _plain(done) for src, done in zip(frame["source"], frame["train_steps"])]
     firsts = frame.drop_duplicates("run_id")  # settings are per run: every row of a run joins its group
@@ -208,7 +208,7 @@ def add_groups(frame):
     frame["setting"] = frame["group"].map(comparable)
     frame["encoding_label"] = frame["group"].map(encoding_labels)
     frame["label"] = [f"{c} [{z}]" if z else c for c, z in zip(frame["curve_label"], frame["size"])]
-    return frame
+    return keep_costs_per_device(frame)
 
 
 def keep_costs_per_device(frame):
@@ -764,7 +764,6 @@ def write_report(paths, out=None, metric: str | None = None, threshold: float = 
     for line in skipped_lines(skipped):
         print(f"warning: skipped {line}", file=sys.stderr)
     frame = add_groups(frame).sort_values(["task", "label", "seed", "eval_length"]).reset_index(drop=True)
-    frame = keep_costs_per_device(frame)
     metrics = task_metrics(frame, metric)
     runs = run_table(frame, metrics, threshold)
     summary = summary_table(frame)

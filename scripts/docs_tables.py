@@ -295,8 +295,19 @@ def scale_study_medium() -> str:
     window = run_window_mean(s, "exact_match", 1, 2, lambda p: (scale_task(p), p["encoding"]))
     at_n = {k: r["id_score_mean"] for k, r in headline_by(s, lambda p: (scale_task(p), p["encoding"])).items()}
     tasks = ("cmc", "rsc", "sort")
-    rows = [[f"`{e}`", *(f"{num(window[(t, e)]['mean'])} [{num(at_n[(t, e)], 2)}]" if (t, e) in window else "–"
-                         for t in tasks)] for e in CORE]
+
+    def cell(k) -> str:
+        if k not in window:
+            return "–"
+        w = window[k]
+        if w["n"] == 1:
+            spread_text = "1 seed"
+        else:
+            seeds = (num(w["min"], 2) if f"{w['min']:.2f}" == f"{w['max']:.2f}"
+                     else f"{num(w['min'], 2)}–{num(w['max'], 2)}")
+            spread_text = seeds if w["n"] == 3 else f"{seeds}, {w['n']} seeds"
+        return f"{num(w['mean'])} ({spread_text}) [{num(at_n[k], 2)}]"
+    rows = [[f"`{e}`", *(cell((t, e)) for t in tasks)] for e in CORE]
     return table(["encoding", *tasks], rows, ["---"] * (len(tasks) + 1))
 
 
