@@ -1,13 +1,17 @@
 """Launcher configs compose as a --multirun composes them; a real joblib sweep and its report;
 the synthetic suite names every encoding and synthetic task."""
+import json
 import os
 import subprocess
 import sys
 
 import pytest
+import yaml
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf, open_dict
 
+from posbench.runinfo import config_hash, group_config
 from tests.helpers import ROOT, multirun_config, options, posbench, read_rows, sweep_values
 
 CORPUS_TASKS = {"wikitext"}  # not synthetic: left out of the suite
@@ -139,6 +143,21 @@ def test_a_preempted_submitit_job_requeues_and_resumes_by_itself(tmp_path):
     keys = ("eval_length", "exact_match", "token_acc", "loss", "train_steps", "config_hash")
     rows = [[tuple(row[k] for k in keys) for row in read_rows(d)] for d in (signalled, direct)]
     assert rows[0] == rows[1]
+
+
+def test_committed_scale_study_runs_of_either_machine_compose_to_the_hash_of_their_rows():
+    """The medium size was run partly on a GPU (device=auto): its runs join the CPU runs' groups
+    only while the configuration they compose to today hashes as their rows say."""
+    runs = sorted((ROOT / "results" / "reference" / "scale_study" / "medium").glob("*experiment=scale_study*"))
+    devices = {}
+    for run in runs:
+        cfg = multirun_config(*yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()))
+        with open_dict(cfg):
+            del cfg["hydra"]
+        row = json.loads((run / "results.jsonl").read_text().splitlines()[0])
+        assert config_hash(group_config(OmegaConf.to_container(cfg, resolve=True))) == row["config_hash"], run.name
+        devices.setdefault(row["device"], []).append(run.name)
+    assert set(devices) == {"cpu", "cuda"} and len(runs) >= 13 + 34
 
 
 def test_scale_study_sweeps_six_encodings_three_tasks_three_sizes_three_seeds():
