@@ -503,10 +503,36 @@ FRONTIER_CLAIMS = (
 )
 
 
+def claim_verdict(ours: dict, theirs: dict, lower: bool, digits: int) -> str:
+    """"yes" when every seed of the method beats every seed of the baseline, "no" when every seed of the baseline
+    beats every seed of the method; otherwise their means decide, said as such: "tie" when they print equal,
+    "overlap, mean better" or "overlap, mean worse" over several seeds each, "... (1 seed)" before then."""
+    def better(a: float, b: float) -> bool:
+        return a < b if lower else a > b
+
+    def worst(w: dict) -> float:
+        return w["max"] if lower else w["min"]
+
+    def best(w: dict) -> float:
+        return w["min"] if lower else w["max"]
+
+    seeds = ours["n"] > 1 and theirs["n"] > 1
+    if seeds and better(worst(ours), best(theirs)):
+        return "yes"
+    if seeds and better(worst(theirs), best(ours)):
+        return "no"
+    if f"{ours['mean']:.{digits}f}" == f"{theirs['mean']:.{digits}f}":
+        return "tie"
+    direction = "better" if better(ours["mean"], theirs["mean"]) else "worse"
+    if seeds:
+        return f"overlap, mean {direction}"
+    return f"{'yes' if direction == 'better' else 'no'} (1 seed)"
+
+
 def frontier_claims() -> str:
     """docs/studies.md: each paper's claim against what the frontier study measured: the method against the
-    best measured of the baselines the paper says it beats, on the task and lengths that test it; reproduced
-    "yes" when the method's mean is the better one, "tie" when they print equal, "–" until both are measured."""
+    best measured of the baselines the paper says it beats (by mean), on the task and lengths that test it,
+    with claim_verdict's reading; "–" until both are measured."""
     s = study("frontier")
     rows = []
     for claim in FRONTIER_CLAIMS:
@@ -528,12 +554,8 @@ def frontier_claims() -> str:
         measured_baselines = [b for b in claim.baselines if b in scores]
         baseline = (min if lower else max)(measured_baselines, key=lambda b: scores[b]["mean"]) \
             if measured_baselines else claim.baselines[0]
-        if claim.method in scores and baseline in scores:
-            ours, theirs = scores[claim.method]["mean"], scores[baseline]["mean"]
-            verdict = "tie" if f"{ours:.{digits}f}" == f"{theirs:.{digits}f}" else (
-                "yes" if (ours < theirs) == lower else "no")
-        else:
-            verdict = "–"
+        verdict = claim_verdict(scores[claim.method], scores[baseline], lower, digits) \
+            if claim.method in scores and baseline in scores else "–"
         where = {1: "at N", 2: "(N, 2N]"}.get(claim.window[1], "(N, longest]")
         rows.append([f"`{claim.method}`", claim.paper, claim.task.replace("_", " "), where, measured(claim.method),
                      f"`{baseline}` {measured(baseline)}", verdict])
