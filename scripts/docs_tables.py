@@ -280,14 +280,23 @@ def scale_study() -> str:
 
 
 def scale_study_eos() -> str:
-    s = study("scale_study/small_eos")
-    exact = run_window_mean(s, "exact_match", 1, 2, by_encoding)
-    tokens = run_window_mean(s, "token_acc", 1, 2, by_encoding)
-    rows = [[f"`{e}`", f"{num(exact[(e,)]['mean'])} ({num(exact[(e,)]['min'], 2)}–{num(exact[(e,)]['max'], 2)})",
-             f"{num(tokens[(e,)]['mean'])} ({num(tokens[(e,)]['min'], 2)}–{num(tokens[(e,)]['max'], 2)})"]
-            for e in CORE]
-    return table(["encoding", "exact match (N, 2N], mean (seeds)", "token accuracy (N, 2N]"], rows,
-                 ["---", "---", "---"])
+    """copy with the stop scored: small_eos/ and, once run, medium_eos/; "–" where a column is not run yet."""
+    s = study(*(d for d in ("scale_study/small_eos", "scale_study/medium_eos") if (REFERENCE / d).is_dir()))
+
+    def key(p: dict) -> tuple:
+        return scale_task(p), scale_size(p), p["encoding"]
+    exact = run_window_mean(s, "exact_match", 1, 2, key)
+    tokens = run_window_mean(s, "token_acc", 1, 2, key)
+    columns = [(t, z) for t in ("rsc", "cmc") for z in ("small", "medium")]
+
+    def cell(k) -> str:
+        if k not in exact:
+            return "–"
+        e, t = exact[k], tokens[k]
+        seeds = "" if e["n"] == 3 else f", {e['n']} seed{'s' if e['n'] > 1 else ''}"
+        return f"{num(e['mean'])} ({num(e['min'], 2)}–{num(e['max'], 2)}{seeds}) [{num(t['mean'])}]"
+    rows = [[f"`{e}`", *(cell((*column, e)) for column in columns)] for e in CORE]
+    return table(["encoding", *(f"{t} `{z}`" for t, z in columns)], rows, ["---"] * (len(columns) + 1))
 
 
 def scale_study_medium() -> str:
