@@ -10,16 +10,18 @@ import sys
 from pathlib import Path
 
 import torch
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
 from posbench.attention import get_backend
 from posbench.encodings import REGISTRY, Encoding, ModelDims
 from posbench.model import ModelConfig, Transformer
+from posbench.runinfo import config_hash, group_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -70,6 +72,15 @@ def multirun_config(*overrides: str):
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return GlobalHydra.instance().config_loader().load_configuration(
             "config", list(overrides), run_mode=RunMode.MULTIRUN)
+
+
+def composed_group_hash(run: Path) -> tuple[str, dict]:
+    """The group hash a committed sweep run's overrides compose to today, and its first row."""
+    cfg = multirun_config(*yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()))
+    with open_dict(cfg):
+        del cfg["hydra"]
+    row = json.loads((run / "results.jsonl").read_text().splitlines()[0])
+    return config_hash(group_config(OmegaConf.to_container(cfg, resolve=True))), row
 
 
 def sweep_values(params, key: str) -> list[str]:

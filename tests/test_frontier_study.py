@@ -1,18 +1,13 @@
 """experiment=frontier expands to the study the README reports: its methods, tasks and seeds, each job
 composing to the intended encoding and task and passing the settings check."""
-import json
 from pathlib import Path
 
 import pytest
-import yaml
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from omegaconf import OmegaConf, open_dict
-
-from posbench.runinfo import config_hash, group_config
 from posbench.validate import check_config
-from tests.helpers import multirun_config, options, sweep_values
+from tests.helpers import composed_group_hash, multirun_config, options, sweep_values
 
 METHODS = {  # option: (encoding target, the encoding settings the option sets)
     "nope": ("nope.NoPE", {}), "rope": ("rope.RoPE", {"frequency_fraction": 1.0}),
@@ -68,8 +63,5 @@ def test_every_committed_run_composes_today_to_the_hash_of_its_rows(monkeypatch,
     runs = sorted(STUDY.glob("*_experiment=frontier,*"))
     assert len(runs) >= 52  # seed 0 of copy, sparse flip-flop, WikiText and counting at least
     for run in runs:
-        cfg = multirun_config(*yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()))
-        with open_dict(cfg):
-            del cfg["hydra"]
-        row = json.loads((run / "results.jsonl").read_text().splitlines()[0])
-        assert config_hash(group_config(OmegaConf.to_container(cfg, resolve=True))) == row["config_hash"], run.name
+        composed, row = composed_group_hash(run)
+        assert composed == row["config_hash"], run.name

@@ -1,18 +1,14 @@
 """Launcher configs compose as a --multirun composes them; a real joblib sweep and its report;
 the synthetic suite names every encoding and synthetic task."""
-import json
 import os
 import subprocess
 import sys
 
 import pytest
-import yaml
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import OmegaConf, open_dict
 
-from posbench.runinfo import config_hash, group_config
-from tests.helpers import ROOT, multirun_config, options, posbench, read_rows, sweep_values
+from tests.helpers import ROOT, composed_group_hash, multirun_config, options, posbench, read_rows, sweep_values
 
 CORPUS_TASKS = {"wikitext"}  # not synthetic: left out of the suite
 GRID_TASKS = {"life", "grid_flip", "grid_row_count", "grid_nearest"}  # experiment=grid_extrapolation's
@@ -151,11 +147,8 @@ def test_committed_scale_study_runs_of_either_machine_compose_to_the_hash_of_the
     runs = sorted((ROOT / "results" / "reference" / "scale_study" / "medium").glob("*experiment=scale_study*"))
     devices = {}
     for run in runs:
-        cfg = multirun_config(*yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()))
-        with open_dict(cfg):
-            del cfg["hydra"]
-        row = json.loads((run / "results.jsonl").read_text().splitlines()[0])
-        assert config_hash(group_config(OmegaConf.to_container(cfg, resolve=True))) == row["config_hash"], run.name
+        composed, row = composed_group_hash(run)
+        assert composed == row["config_hash"], run.name
         devices.setdefault(row["device"], []).append(run.name)
     assert set(devices) == {"cpu", "cuda"} and len(runs) >= 13 + 34
 
