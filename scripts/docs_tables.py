@@ -258,11 +258,19 @@ def scale_task(p: dict) -> str:
     return p["task.variant"] if p["task"] == "copy" else p["task"]
 
 
+def by_task_size_encoding(p: dict) -> tuple:
+    return scale_task(p), scale_size(p), p["encoding"]
+
+
+def seed_range(w: dict) -> str:
+    """The range of the seeds to two decimals, one number when both ends print equal."""
+    return num(w["min"], 2) if f"{w['min']:.2f}" == f"{w['max']:.2f}" else f"{num(w['min'], 2)}–{num(w['max'], 2)}"
+
+
 def scale_study() -> str:
     s = study("scale_study/xs", "scale_study/small")
-    window = run_window_mean(s, "exact_match", 1, 2, lambda p: (scale_task(p), scale_size(p), p["encoding"]))
-    at_n = {k: r["id_score_mean"] for k, r in headline_by(
-        s, lambda p: (scale_task(p), scale_size(p), p["encoding"])).items()}
+    window = run_window_mean(s, "exact_match", 1, 2, by_task_size_encoding)
+    at_n = {k: r["id_score_mean"] for k, r in headline_by(s, by_task_size_encoding).items()}
     columns = [(t, z) for t in ("cmc", "rsc", "sort") for z in ("xs", "small")]
     rows = []
     for e in CORE:
@@ -272,9 +280,7 @@ def scale_study() -> str:
             w = window[k]
             best = max(window[(*column, other)]["mean"] for other in CORE)
             mean = f"**{num(w['mean'])}**" if w["mean"] == best and best < 1 else num(w["mean"])
-            spread_text = (num(w["min"], 2) if f"{w['min']:.2f}" == f"{w['max']:.2f}"
-                           else f"{num(w['min'], 2)}–{num(w['max'], 2)}")
-            cells.append(f"{mean} ({spread_text}) [{num(at_n[k], 2)}]")
+            cells.append(f"{mean} ({seed_range(w)}) [{num(at_n[k], 2)}]")
         rows.append([f"`{e}`", *cells])
     return table(["encoding", *(f"{t} `{z}`" for t, z in columns)], rows, ["---"] * (len(columns) + 1))
 
@@ -282,11 +288,8 @@ def scale_study() -> str:
 def scale_study_eos() -> str:
     """copy with the stop scored: small_eos/ and, once run, medium_eos/; "–" where a column is not run yet."""
     s = study(*(d for d in ("scale_study/small_eos", "scale_study/medium_eos") if (REFERENCE / d).is_dir()))
-
-    def key(p: dict) -> tuple:
-        return scale_task(p), scale_size(p), p["encoding"]
-    exact = run_window_mean(s, "exact_match", 1, 2, key)
-    tokens = run_window_mean(s, "token_acc", 1, 2, key)
+    exact = run_window_mean(s, "exact_match", 1, 2, by_task_size_encoding)
+    tokens = run_window_mean(s, "token_acc", 1, 2, by_task_size_encoding)
     columns = [(t, z) for t in ("rsc", "cmc") for z in ("small", "medium")]
 
     def cell(k) -> str:
@@ -309,12 +312,8 @@ def scale_study_medium() -> str:
         if k not in window:
             return "–"
         w = window[k]
-        if w["n"] == 1:
-            spread_text = "1 seed"
-        else:
-            seeds = (num(w["min"], 2) if f"{w['min']:.2f}" == f"{w['max']:.2f}"
-                     else f"{num(w['min'], 2)}–{num(w['max'], 2)}")
-            spread_text = seeds if w["n"] == 3 else f"{seeds}, {w['n']} seeds"
+        spread_text = ("1 seed" if w["n"] == 1 else seed_range(w) if w["n"] == 3
+                       else f"{seed_range(w)}, {w['n']} seeds")
         return f"{num(w['mean'])} ({spread_text}) [{num(at_n[k], 2)}]"
     rows = [[f"`{e}`", *(cell((t, e)) for t in tasks)] for e in CORE]
     return table(["encoding", *tasks], rows, ["---"] * (len(tasks) + 1))
