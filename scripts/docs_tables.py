@@ -286,15 +286,13 @@ def scale_study() -> str:
 
 
 def scale_study_eos() -> str:
-    """copy with the stop scored: small_eos/ and, once run, medium_eos/; "–" where a column is not run yet."""
-    s = study(*(d for d in ("scale_study/small_eos", "scale_study/medium_eos") if (REFERENCE / d).is_dir()))
+    """copy with the stop scored: small_eos/ and medium_eos/."""
+    s = study("scale_study/small_eos", "scale_study/medium_eos")
     exact = run_window_mean(s, "exact_match", 1, 2, by_task_size_encoding)
     tokens = run_window_mean(s, "token_acc", 1, 2, by_task_size_encoding)
     columns = [(t, z) for t in ("rsc", "cmc") for z in ("small", "medium")]
 
     def cell(k) -> str:
-        if k not in exact:
-            return "–"
         e, t = exact[k], tokens[k]
         seeds = "" if e["n"] == 3 else f", {e['n']} seed{'s' if e['n'] > 1 else ''}"
         return f"{num(e['mean'])} ({num(e['min'], 2)}–{num(e['max'], 2)}{seeds}) [{num(t['mean'])}]"
