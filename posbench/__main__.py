@@ -8,6 +8,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import posbench.settings  # noqa: F401  (registers the resolver --help's page reads)
+from posbench import distributed
 from posbench.runner import Refused, run
 
 
@@ -24,4 +25,9 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as request:
+        distributed.leave(request.code)
+        raise
+    distributed.leave(0)
