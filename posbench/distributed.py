@@ -66,7 +66,7 @@ def leave(code) -> None:
     returns. DistributedDataParallel keeps its process group alive past destroy_process_group (torch
     2.13: gloo's worker and tcp threads still run), and the C++ teardown of a normal exit, racing those
     threads, aborts the process now and then ("terminate called without an active exception": 3 in
-    about 110 two-process runs of `debug=smoke` beside other load), a failed command for a run that
+    94 two-process runs of `debug=smoke` beside other load), a failed command for a run that
     finished; os._exit skips that teardown."""
     if not dist.is_initialized():
         return
