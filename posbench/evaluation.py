@@ -6,7 +6,7 @@ import time
 import torch
 from omegaconf import DictConfig
 
-from posbench import distributed
+from posbench import distributed, draws
 from posbench.build import Built, autocast, sync
 from posbench.memory import PeakMemory, return_large_blocks
 from posbench.metrics import ROW_METRICS
@@ -14,13 +14,14 @@ from posbench.rundir import StopSignals
 from posbench.validate import eval_chunk
 
 UNMEASURED = {**dict.fromkeys(ROW_METRICS), "eval_tokens_per_s": None, "peak_mem_mb": None,
-              "mem_kind": None}  # a length that was not evaluated
+              "mem_kind": None, "data_fingerprint": None}  # a length that was not evaluated
 
 
 @torch.no_grad()
 def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.device, precision: str = "fp32",
-             stop: StopSignals | None = None) -> dict:
-    """Metrics over cfg_eval.samples fresh sequences at one length, and tokens/s past the first batch.
+             stop: StopSignals | None = None, train_digest: str | None = "") -> dict:
+    """Metrics over cfg_eval.samples fresh sequences at one length, and tokens/s past the first batch;
+    data_fingerprint joins `train_digest` (what the model trained on) with the sequences evaluated here.
     Data-parallel: every rank draws every batch and evaluates its own rows of it; the sums, tokens and
     seconds of the ranks are combined, so the metrics are the one-process metrics."""
     model, task = built.model, built.task
@@ -30,7 +31,8 @@ def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.devi
     return_large_blocks()
     memory = PeakMemory(device)
     memory.start()
-    gen = torch.Generator(device).manual_seed(int(cfg_eval.seed) + length)
+    gen = draws.generator(int(cfg_eval.seed) + length)
+    fingerprint = draws.DataFingerprint()
     totals: dict[str, float] = {}
     timed_tokens, timed_seconds, first, held, drawn = 0, 0.0, None, None, False
     batches = task.eval_batches(length, int(cfg_eval.samples), int(cfg_eval.batch_size), gen)
@@ -45,7 +47,9 @@ def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.devi
         drawn = True
         # drawn for the whole batch, on every rank alike; segment recurrence draws none
         positions = None if batch.memory_length else built.positions.for_batch(batch, gen)  # [1, T] or [1, T, 2]
-        batch = distributed.shard(batch)
+        fingerprint.add(batch, positions)
+        batch = distributed.shard(draws.to_device(batch, device))
+        positions = None if positions is None else draws.move(positions, device)
         if not batch.inputs.shape[0]:  # fewer rows than ranks: this rank has none of them
             continue
         with autocast(device, precision):
@@ -74,7 +78,8 @@ def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.devi
     timed_seconds = max(part[2] for part in ranks)  # the ranks ran side by side
     peaks = [part[3] for part in ranks if part[3] is not None]
     return {**task.finalize(totals), "eval_tokens_per_s": timed_tokens / timed_seconds,
-            "peak_mem_mb": max(peaks) if peaks else None, "mem_kind": memory.kind}
+            "peak_mem_mb": max(peaks) if peaks else None, "mem_kind": memory.kind,
+            "data_fingerprint": draws.combined(train_digest, fingerprint.digest)}
 
 
 def sum_by_key(parts: list[dict[str, float]]) -> dict[str, float]:

@@ -232,7 +232,7 @@ def run_built(cfg: DictConfig, built: Built, device: torch.device, run_dir: Path
     try:
         if saved is not None and "optimizer" not in saved:  # training had ended: evaluate what is missing
             built.model.load_state_dict(saved["model"])
-            trained = TrainProgress(**saved["progress"])
+            trained = TrainProgress(**{"data_digest": None, **saved["progress"]})  # older checkpoints: unknown
         else:
             trained = train(built, cfg, device, logger, checkpointer, stop, status, saved)
             if trained.status == "ok" and trained.step:
@@ -259,7 +259,8 @@ def run_built(cfg: DictConfig, built: Built, device: torch.device, run_dir: Path
             try:
                 cfg_eval = built.guard.eval_config(cfg.eval, length)
                 with translate_oom(length, int(cfg_eval.batch_size)):
-                    row |= {"status": "ok", **evaluate(built, length, cfg_eval, device, cfg.train.precision, stop)}
+                    row |= {"status": "ok", **evaluate(built, length, cfg_eval, device, cfg.train.precision, stop,
+                                                         trained.data_digest)}
             except Exception as err:
                 write_failed_rows(writer, [row | failed_fields(err)])
                 raise

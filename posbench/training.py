@@ -12,7 +12,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from posbench import distributed
+from posbench import distributed, draws
 from posbench.build import Built, autocast, sync
 from posbench.rundir import CHECKPOINT_FILE, Status, StopRequest, StopSignals, save_torch
 from tasks.base import Task
@@ -69,6 +69,7 @@ class TrainProgress:
     seconds: float = 0.0  # wall time in training, over every segment of a resumed run
     timed_tokens: int = 0  # tokens and seconds after each segment's warm-up steps
     timed_seconds: float = 0.0
+    data_digest: str | None = ""  # the batches trained on so far (draws.DataFingerprint); None: unknown
 
     def tokens_per_s(self) -> float | None:
         return self.timed_tokens / self.timed_seconds if self.timed_seconds else None
@@ -121,14 +122,14 @@ def train(built: Built, cfg: DictConfig, device: torch.device, logger, checkpoin
     model.train()
     optimizer = make_optimizer(model, cfg_train)
     forward = compiled(distributed.wrap(model, device), cfg_train.compile)
-    generators = {"data": torch.Generator(device).manual_seed(cfg.seed),
-                  "length": torch.Generator().manual_seed(cfg.seed)}
+    generators = {"data": draws.generator(cfg.seed), "length": draws.generator(cfg.seed)}
     progress = TrainProgress()
     if resume is not None:
         model.load_state_dict(resume["model"])
         optimizer.load_state_dict(resume["optimizer"])
         set_rng_state(resume["rng"], generators)
-        progress = TrainProgress(**resume["progress"])
+        progress = TrainProgress(**{"data_digest": None, **resume["progress"]})  # older checkpoints: unknown
+    fingerprint = draws.DataFingerprint(progress.data_digest) if progress.data_digest is not None else None
     checkpoint_every = int(cfg_train.get("checkpoint_every") or 0)
     segment_start = time.perf_counter()
     timer_step, timer_start = progress.step + TIMING_WARMUP_STEPS, None  # each segment warms up again
@@ -169,6 +170,10 @@ def train(built: Built, cfg: DictConfig, device: torch.device, logger, checkpoin
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, cfg_train)
             positions = built.positions.for_batch(batch, generators["data"])  # [1, T] or [1, T, 2]
+            if fingerprint is not None:
+                fingerprint.add(batch, positions)
+                progress.data_digest = fingerprint.digest
+            batch, positions = draws.to_device(batch, device), draws.move(positions, device)
             _, sums = train_step(model, forward, task, distributed.shard(batch), positions, optimizer, cfg_train,
                                  device)
             if timer_start is not None:

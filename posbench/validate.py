@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import inspect
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
-from posbench import settings
+from posbench import draws, settings
 from posbench.checks import Choice, shown
 from posbench.settings import DEVICE_FORMS, PRECISION_NAMES, SCHEDULES, TRAIN_LENGTH_MODES  # noqa: F401 (re-exported)
 from posbench.settings import PARAMETER_SECTIONS, SECTIONS, SETTINGS
@@ -123,7 +122,7 @@ def check_built(built, cfg: DictConfig) -> None:
     than a window or a length the task cannot draw fails here. One sequence each keeps it cheap;
     own generators leave the run's draws unchanged."""
     task = built.task
-    generator = torch.Generator(next(built.model.parameters()).device).manual_seed(int(cfg.eval.seed))
+    generator = draws.generator(int(cfg.eval.seed))
     if cfg.train.steps:
         task.train_sample(1, built.train_length, built.train_length, generator)
     longest = built.lengths[-1]

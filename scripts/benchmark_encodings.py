@@ -82,6 +82,7 @@ def parse_list(text: str, kind, flag: str) -> list:
 def child(args: argparse.Namespace) -> None:
     import torch
 
+    from posbench import draws
     from posbench.build import build, resolve_device, sync
     from posbench.memory import PeakMemory
     from posbench.training import make_optimizer, train_step
@@ -96,11 +97,11 @@ def child(args: argparse.Namespace) -> None:
     batch_size = args.batch_size or int(cfg.train.batch_size)
     model.train()
     optimizer = make_optimizer(model, cfg.train)
-    data_gen = torch.Generator(device).manual_seed(int(cfg.seed))
+    data_gen = draws.generator(int(cfg.seed))
 
     def step() -> tuple[torch.Tensor, int]:
         """posbench.training.train_step, the runner's own, on a batch at exactly this length."""
-        batch = task.sample(batch_size, args.length, data_gen)
+        batch = draws.to_device(task.sample(batch_size, args.length, data_gen), device)
         pos = torch.arange(batch.inputs.shape[1], device=device)[None]  # [1, T] sequential positions
         loss, _ = train_step(model, model, task, batch, pos, optimizer, cfg.train, device)
         return loss.detach(), batch.inputs.shape[1]

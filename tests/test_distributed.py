@@ -20,7 +20,8 @@ from tasks.wikitext import WindowBatch
 from tests.helpers import KILLER, ROOT, compose_cfg, read_rows
 
 OVERRIDES = ["debug=smoke", "device=cpu", "train.checkpoint_every=8", "train.log_every=3"]  # gloo, GPU or not
-MEASURED = ("status", "eval_length", "exact_match", "token_acc", "train_steps", "config_hash", "seed", "samples")
+MEASURED = ("status", "eval_length", "exact_match", "token_acc", "train_steps", "config_hash", "seed", "samples",
+            "data_fingerprint")
 
 
 def torchrun(run_dir: Path, *overrides: str, kill: tuple | None = None, timeout: int = 240):

@@ -20,7 +20,8 @@ from tests.helpers import KILLER, posbench, read_rows
 STEPS, CHECKPOINT_EVERY = 60, 16
 OVERRIDES = ["debug=smoke", f"train.steps={STEPS}", f"train.checkpoint_every={CHECKPOINT_EVERY}",
              "eval.ratios=[1,2,3]", "train.log_every=7"]
-MEASURED = ("status", "eval_length", "exact_match", "token_acc", "loss", "train_steps", "config_hash", "seed")
+MEASURED = ("status", "eval_length", "exact_match", "token_acc", "loss", "train_steps", "config_hash", "seed",
+            "data_fingerprint")
 
 
 def tiny_run(run_dir: Path, kill: tuple[str, int, str] | None = None) -> subprocess.CompletedProcess:
