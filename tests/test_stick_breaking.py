@@ -1,7 +1,8 @@
 """Stick-breaking attention: the output against the paper's product written out with loops (float64),
-every remainder and attend_current; float32 against float64 at long length; the properties: shift
-invariance, causality, chunks and query blocks equal to one pass, finite gradients (masked -inf
-logits, saturated gates, rows with no key), refusals."""
+every remainder and attend_current; float32 against float64 at long length; scores past float32's exp
+range (a huge score takes the stick in every precision, its gradients finite and right); the
+properties: shift invariance, causality, chunks and query blocks equal to one pass, finite gradients
+(masked -inf logits, saturated gates, rows with no key), refusals."""
 import math
 import re
 
@@ -129,6 +130,92 @@ def test_backward_equals_autograd_of_the_formula():
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
     assert (got[..., ~takes] == 0).all() and got.abs().sum() > 0
     assert torch.autograd.gradcheck(lambda x: BrokenStick.apply(x, takes), (scores[:1, :1].detach().requires_grad_(),))
+
+
+def tolerances(dtype, scale=1.0):
+    """assert_close's tolerances for values computed in dtype: a few dozen of its ulps relative, the same
+    relative to the values' scale absolute."""
+    rtol = 32 * torch.finfo(dtype).eps
+    return {"rtol": rtol, "atol": rtol * scale}
+
+
+def product_form(scores, takes):
+    """A and r in float64 as the paper's product over the keys that take part: A_ij = sigmoid(s_ij)
+    prod_{t > j} sigmoid(-s_it), r_i = prod_t sigmoid(-s_it). sigmoid(-s), not 1 - sigmoid(s), keeps
+    1 - beta down to e^-745 (sigmoid(-100) ~ 3.7e-44)."""
+    s = scores.double()
+    beta = torch.where(takes, torch.sigmoid(s), 0.0)  # [..., Lq, Lk]
+    rest = torch.where(takes, torch.sigmoid(-s), 1.0)  # 1 - beta: [..., Lq, Lk]
+    later = torch.ones(s.shape[-1], s.shape[-1], dtype=torch.bool).triu(1)  # later[j, t]: t > j
+    return beta * torch.where(later, rest[..., None, :], 1.0).prod(-1), rest.prod(-1, keepdim=True)
+
+
+CAUSAL_KEYS = torch.ones(LENGTH, LENGTH, dtype=torch.bool).tril(-1)  # keys before the query: [L, L]
+
+
+def huge_scores(huge, dtype=torch.float32, seed=6):
+    """Causal scores [1, H, L, L] of a few units, -inf on the keys that take no part; from the third row on,
+    head 0's nearest key at +huge (it takes the whole stick), head 1's first key at +huge (it takes what
+    the later keys leave) and its nearest at -huge (no share, no break)."""
+    s = torch.randn(1, HEADS, LENGTH, LENGTH, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)) * 2
+    rows = torch.arange(2, LENGTH)
+    s[0, 0, rows, rows - 1] = huge
+    s[0, 1, rows, 0] = huge
+    s[0, 1, rows, rows - 1] = -huge
+    return s.masked_fill(~CAUSAL_KEYS, float("-inf")).to(dtype)
+
+
+@pytest.mark.parametrize("huge", [100.0, 1e3, 1e4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_a_huge_score_takes_the_stick_in_every_precision(huge, dtype):
+    """Scores past 88.7, where log(sigmoid(-s)) is -inf in float32 and zeroed the row, against the product
+    in float64: finite weights, none of the rows empty, the nearest key at +huge taking the whole stick.
+    bfloat16 and float16 logits (autocast's) run in float32."""
+    enc = make_encoding("stick_breaking", d_model=D_MODEL, n_heads=HEADS)
+    logits = huge_scores(huge, dtype)
+    compute = torch.promote_types(dtype, torch.float32)
+    v = torch.randn(1, HEADS, LENGTH, HEAD, dtype=compute, generator=torch.Generator().manual_seed(7))
+    pos = torch.arange(LENGTH)[None]
+    weights, extra = enc.normalize(logits, v, AttentionCall(enc, pos, pos, 0, True))
+    expected, rest = product_form(logits, CAUSAL_KEYS)
+    assert torch.isfinite(weights).all() and torch.isfinite(extra).all()
+    assert (weights[..., 1:, :].sum(-1) > 0).all()  # every row with a key gives it a share
+    rows = torch.arange(2, LENGTH)
+    torch.testing.assert_close(weights[0, 0, rows, rows - 1], torch.ones(LENGTH - 2, dtype=compute),
+                               **tolerances(compute))
+    torch.testing.assert_close(weights.double(), expected, **tolerances(compute))
+    torch.testing.assert_close(extra.double(), rest * v.double(), **tolerances(compute, v.abs().max().item()))
+
+
+@pytest.mark.parametrize("huge", [100.0, 1e3, 1e4])
+def test_gradients_at_huge_scores_are_finite_and_match_the_product(huge):
+    """BrokenStick's backward in float32 at scores of +-huge against autograd through the product in
+    float64 (log r as the sum of torch's logsigmoid(-s))."""
+    gen = torch.Generator().manual_seed(8)
+    grad_weights = torch.randn(1, HEADS, LENGTH, LENGTH, dtype=torch.float64, generator=gen)
+    grad_log_rest = torch.randn(1, HEADS, LENGTH, 1, dtype=torch.float64, generator=gen)
+    scores = huge_scores(huge).requires_grad_()
+    weights, log_rest = BrokenStick.apply(scores, CAUSAL_KEYS)
+    got = torch.autograd.grad((weights * grad_weights.float()).sum() + (log_rest * grad_log_rest.float()).sum(),
+                              scores)[0]
+    assert torch.isfinite(weights).all() and torch.isfinite(log_rest).all() and torch.isfinite(got).all()
+
+    reference = scores.detach().double().requires_grad_()
+    expected_weights, _ = product_form(reference, CAUSAL_KEYS)
+    expected_log_rest = torch.where(CAUSAL_KEYS, torch.nn.functional.logsigmoid(-reference), 0.0).sum(-1, keepdim=True)
+    torch.testing.assert_close(log_rest.double(), expected_log_rest, **tolerances(torch.float32, huge))
+    expected = torch.autograd.grad((expected_weights * grad_weights).sum() + (expected_log_rest * grad_log_rest).sum(),
+                                   reference)[0]
+    torch.testing.assert_close(got.double(), expected, **tolerances(torch.float32, expected.abs().max().item()))
+
+
+def test_gradcheck_with_saturating_scores():
+    """gradcheck in float64 with scores up to +-60 (beta within e^-60 of 0 or 1) and keys that take no part."""
+    gen = torch.Generator().manual_seed(9)
+    scores = torch.randn(1, HEADS, LENGTH, LENGTH, dtype=torch.float64, generator=gen) * 20
+    scores[0, 0, 3:, 1] = 60.0
+    scores[0, 1, 3:, 2] = -60.0
+    assert torch.autograd.gradcheck(lambda x: BrokenStick.apply(x, CAUSAL_KEYS), (scores.requires_grad_(),))
 
 
 def model(causal=True, remainder="value", attend_current=False, dtype=torch.float64):

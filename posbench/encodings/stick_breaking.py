@@ -11,6 +11,9 @@ default (`attend_current: true` lets key i take a share and break the stick too:
 the official sb_attn_varlen. The sums run as a reverse cumulative sum along keys (flip, cumsum, flip)
 in float32 at least, never the [L, L] x [L, L] product of the reference sb_ref.py; r_i is taken as
 the product itself (exp of the summed logs), which equals 1 - sum_j A_ij without its cancellation.
+The logs are the stable log-sigmoid, as the official reference's: log(1 - beta) = logsigmoid(-s) =
+-softplus(s), finite for any finite s, where log(sigmoid(-s)) underflows to -inf past s ~ 88.7 in
+float32 (bfloat16 and float16 included, which run in float32) and zeroes the row.
 
 remainder: what the unclaimed share r_i carries.
   value    u = v_i, the token's own value (default): the official repository's reference tests add
@@ -77,23 +80,30 @@ class BrokenStick(torch.autograd.Function):
     """The weights A and log r from the scores s [B, H, Lq, Lk] and the keys that take part
     [Lq, Lk], with a backward of its own: few full-size passes, two tensors kept (s, A).
 
-    log A_ij = s_ij + sum_{t >= j} log(1 - beta_it)     (logsigmoid(s_ij) = s_ij + log(1 - beta_ij))
+    log A_ij = logsigmoid(s_ij) + sum_{t > j} log(1 - beta_it)
     log r_i = sum_t log(1 - beta_it)
-    With G_ij = dA_ij A_ij (the gradient at log A), s_it reaches log A_ij for every j <= t through
-    log(1 - beta_it), whose derivative is -beta_it:
+    With G_ij = dA_ij A_ij (the gradient at log A), s_it reaches log A_it through logsigmoid(s_it)
+    (derivative 1 - beta_it), and log A_ij for every j < t and log r_i through log(1 - beta_it)
+    (derivative -beta_it):
     ds_it = G_it - beta_it (sum_{j <= t} G_ij + d log r_i)
     Keys that take no part hold s = -inf: no break (log(1 - 0) = 0), no share (A = 0), no gradient.
-    log(1 - beta) is log(sigmoid(-s)) and exp runs as exp2: CPU exp (and logsigmoid, through it) takes a
-    slow path for every result that underflows, and most do."""
+    Stable for any finite s: log(1 - beta) = -softplus(s) and log beta = s - softplus(s), never the log
+    of a sigmoid (it underflows to log 0 = -inf past s ~ 88.7 in float32 and zeroes the row), and the
+    share is added to the sum over t > j, not s_ij to the sum over t >= j (which cancels for large
+    s); the backward reads beta = sigmoid(s), stable as it is. exp runs as exp2: CPU exp takes a slow
+    path for every result that underflows, and most do."""
 
     @staticmethod
     def forward(ctx, logits, takes):
         s = logits.masked_fill(~takes, float("-inf"))  # [B, H, Lq, Lk]
-        negated = s.flip(-1).neg_()  # -s, keys last to first: [B, H, Lq, Lk]
-        log_a = torch.sigmoid(negated).log_().cumsum_(-1)  # sum over t >= j of log(1 - beta_it), reversed
-        log_rest = log_a[..., -1:].clone()  # [B, H, Lq, 1]
-        log_a.sub_(negated).mul_(LOG2_E).exp2_()  # A, keys last to first
-        weights = log_a.flip(-1)  # [B, H, Lq, Lk]
+        reversed_s = s.flip(-1)  # keys last to first (a copy): [B, H, Lq, Lk]
+        # softplus is linear past 50, where log(1 + e^-s) < 2e-22 is below even float64's precision
+        soft = nn.functional.softplus(reversed_s, threshold=50)  # -log(1 - beta): [B, H, Lq, Lk]
+        log_a = reversed_s.sub_(soft)  # log beta: [B, H, Lq, Lk]
+        after = soft.neg_().cumsum_(-1)  # sum over t >= j of log(1 - beta_it): [B, H, Lq, Lk]
+        log_rest = after[..., -1:].clone()  # [B, H, Lq, 1]
+        log_a[..., 1:].add_(after[..., :-1])  # + the sum over t > j: log A
+        weights = log_a.mul_(LOG2_E).exp2_().flip(-1)  # A: [B, H, Lq, Lk]
         ctx.save_for_backward(s, weights)
         return weights, log_rest
 
@@ -101,5 +111,5 @@ class BrokenStick(torch.autograd.Function):
     def backward(ctx, grad_weights, grad_log_rest):
         s, weights = ctx.saved_tensors
         g = grad_weights * weights  # G: [B, H, Lq, Lk]
-        through_breaks = g.cumsum(-1).add_(grad_log_rest)  # sum_{j <= t} G_ij + d log r_i
+        through_breaks = g.cumsum(-1).add_(grad_log_rest)  # sum_{j <= t} G_ij + d log r_i: [B, H, Lq, Lk]
         return g.sub_(through_breaks.mul_(torch.sigmoid(s))), None
