@@ -1,8 +1,10 @@
-"""README.md and docs/*.md: every relative link reaches a file (and a heading, with a #fragment),
-the README stays a front door, its two commands are the ones CI runs, and the tables that quote
-committed results equal what scripts/docs_tables.py builds from the rows."""
+"""README.md and docs/*.md: every relative link reaches a file (and a heading, with a #fragment) that
+git does not ignore (a fresh clone has it), the README stays a front door, its two commands are the
+ones CI runs, and the tables that quote committed results equal what scripts/docs_tables.py builds
+from the rows."""
 import importlib.util
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -73,6 +75,22 @@ def test_relative_links_resolve(page):
         elif fragment and file.suffix == ".md" and fragment not in anchors(file):
             broken.append(f"{target}: no heading #{fragment} in {file.relative_to(ROOT)}")
     assert not broken, f"{page.relative_to(ROOT)}:\n" + "\n".join(broken)
+
+
+def test_linked_files_are_not_ignored_by_git():
+    """A fresh clone has every file a page links: none matches .gitignore (the per-run figures under
+    results/reference/ do, so a page links a study's own figures only)."""
+    targets = sorted({str((page.parent / target.partition("#")[0]).resolve().relative_to(ROOT))
+                      for page in PAGES for target in links(page)
+                      if not re.match(r"[a-z][a-z0-9+.-]*:", target) and target.partition("#")[0]})
+    try:
+        check = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT, input="\n".join(targets),
+                               capture_output=True, text=True)
+    except FileNotFoundError:
+        pytest.skip("git is not installed")
+    if check.returncode not in (0, 1):  # 0: some are ignored, 1: none is
+        pytest.skip(f"not a git checkout: {check.stderr.strip()}")
+    assert check.stdout == "", f"linked but ignored by git (whitelist them with ! in .gitignore):\n{check.stdout}"
 
 
 def test_slug_matches_github():
