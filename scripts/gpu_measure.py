@@ -1,0 +1,295 @@
+"""The GPU measurements as one artifact: what posbench gives on one device, written under
+results/gpu/<device name>/ for docs/performance.md to read (scripts/docs_tables.py).
+
+    python scripts/gpu_measure.py [--budget-s 460] [--parts encodings,default_job,sweep]
+        [--encodings nope,alibi,...] [--tokens 32,256,1024,4096] [--modes eager,compiled]
+        [--device auto] [--out results/gpu] [--sweep-runs 13]
+
+- encodings.csv: `encoding, backend, mode, tokens, tokens_per_s, vs_nope` (and auto, batch_size, status) for
+  every 1-D encoding on the backend `auto` gives it (auto true), and for those with a bias or a decay (where
+  the backend is a choice) on sdpa, flex and eager besides, eager and compiled (posbench.training.compiled:
+  the runner's train.compile=true), at about 32, 256, 1,024 and 4,096 tokens (8,192 too with a bias or a
+  decay). A backend that cannot train the encoding here is a row with its refusal as status. A step is posbench.training.train_step on the copy task
+  at model=small, with about TOKENS_PER_STEP tokens a batch; tokens/s is over the median of the timed steps.
+  `tokens` is the sequence the model sees (copy's 2n + 1 for n = tokens // 2). vs_nope divides by nope on its
+  own auto backend at the same tokens and mode, measured in this run. One child process per encoding.
+- default_job.csv: `device, wall_s, train_s, exact_match_at_n, data_fingerprint` of the README's default
+  job (`python -m posbench encoding=rope task=copy`) on this device.
+- sweep.csv: `runs, wall_min, runs_per_hour, concurrent` of the frontier study's copy runs of seed 0 (the
+  part one call can hold) through the sweep launcher; `extrapolated_study_min` scales it to the whole study
+  (156 runs) by the CPU's measured cost of each task against copy, and says so in `note`.
+
+Everything runs within --budget-s (the parts in the order given, nope and the issue's targets first among the
+encodings); what the budget leaves out is written as rows with status `not measured: budget`, never dropped.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a file: import posbench and tasks from this checkout
+
+RESULT_MARK = "GPU_MEASURE "  # a child's lines of output the parent reads
+BASELINE = "nope"
+TARGETS = ("alibi", "sandwich", "kerple", "fox", "t5", "fire", "cope", "dape", "stick_breaking")  # measured first
+TOKENS = (32, 256, 1024, 4096)
+LONG_TOKENS = 8192  # for the encodings with a bias or a decay
+BACKENDS = ("sdpa", "flex", "eager")
+MODES = ("eager", "compiled")
+TOKENS_PER_STEP = 65536  # a batch of about this many tokens: 64 sequences of 1,025
+WARMUP_STEPS, TIMED_STEPS = 3, 8
+ENCODING_FIELDS = ["encoding", "backend", "mode", "tokens", "tokens_per_s", "vs_nope", "auto", "batch_size", "status"]
+DEFAULT_JOB_FIELDS = ["device", "wall_s", "train_s", "exact_match_at_n", "data_fingerprint"]
+SWEEP_FIELDS = ["runs", "wall_min", "runs_per_hour", "concurrent", "extrapolated_study_min", "note"]
+# The frontier study's run minutes per task against copy on the CPU (docs/studies.md, seed 2: 3.8 min a
+# copy run, 7.5 sparse flip-flop, 5.4 WikiText, 9.6 counting): one seed of all four tasks costs this many
+# copy parts; the study is three seeds.
+STUDY_COPY_PARTS = 3 * (3.8 + 7.5 + 5.4 + 9.6) / 3.8
+STUDY_RUNS = 156
+
+
+def device_slug(name: str) -> str:
+    """A device's name as a folder: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def device_name(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu-{os.cpu_count()}-cores"
+
+
+# ---------------------------------------------------------------- child: one encoding, every backend and mode
+
+def compose_cfg(overrides: list[str]):
+    from scripts.benchmark_encodings import compose_cfg as compose
+
+    return compose(overrides)
+
+
+def sequence_task_length(tokens: int) -> int:
+    """Copy's n for a sequence of about `tokens` tokens (it shows 2n + 1 with BOS)."""
+    return max(1, tokens // 2)
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch
+
+    from posbench import draws
+    from posbench.build import build, resolve_device, sync
+    from posbench.training import compiled, make_optimizer, train_step
+
+    torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    for backend in args.backends.split(","):
+        for mode in args.modes.split(","):
+            for tokens in map(int, args.tokens.split(",")):
+                row = {"encoding": args.encoding, "backend": backend, "mode": mode, "tokens": tokens,
+                       "auto": backend == "auto"}
+                if time.time() > args.deadline:
+                    print(RESULT_MARK + json.dumps(row | {"status": "not measured: budget"}), flush=True)
+                    continue
+                length = sequence_task_length(tokens)
+                try:
+                    cfg = compose_cfg([f"encoding={args.encoding}", f"backend={backend}", "model=small",
+                                       f"train.length={length}", f"device={args.device}",
+                                       f"train.compile={mode == 'compiled'}"])
+                    built = build(cfg, device)
+                    model, task = built.model, built.task
+                    seq = task.sequence_length(length)
+                    batch_size = max(1, args.tokens_per_step // seq)
+                    model.train()
+                    optimizer = make_optimizer(model, cfg.train)
+                    forward = compiled(model, mode == "compiled")
+                    generator = draws.generator(0)
+                    seconds = []
+                    for step in range(WARMUP_STEPS + TIMED_STEPS):
+                        batch = draws.to_device(task.sample(batch_size, length, generator), device)
+                        positions = torch.arange(seq, device=device)[None]  # [1, T]
+                        sync(device)
+                        start = time.perf_counter()
+                        train_step(model, forward, task, batch, positions, optimizer, cfg.train, device)
+                        sync(device)
+                        if step >= WARMUP_STEPS:
+                            seconds.append(time.perf_counter() - start)
+                    row |= {"backend": built.backend, "tokens": seq, "batch_size": batch_size, "status": "ok",
+                            "tokens_per_s": batch_size * seq / statistics.median(seconds)}
+                    del model, optimizer, forward, built
+                except Exception as err:  # a backend that refuses the encoding, a compile failure: recorded
+                    message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                    row |= {"status": f"failed: {type(err).__name__}: {message}"[:300]}
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                print(RESULT_MARK + json.dumps(row), flush=True)
+
+
+# ---------------------------------------------------------------- parent: the three parts
+
+def encoding_plan(names: list[str]) -> list[tuple[str, list[int], str]]:
+    """(encoding, token counts, backends) in measuring order: nope, the targets, the rest. Every encoding on
+    auto's choice; those with a bias or a decay, the crossover's candidates, on each backend besides."""
+    from posbench.encodings import REGISTRY
+
+    order = [BASELINE] + [n for n in TARGETS if n in names] + [n for n in names if n not in TARGETS]
+    plan = []
+    for name in dict.fromkeys(order):
+        crossover = bool(set(REGISTRY[name].hooks) & {"bias", "decay"})
+        plan.append((name, list(TOKENS) + ([LONG_TOKENS] if crossover or name == BASELINE else []),
+                     ",".join(["auto", *BACKENDS]) if crossover else "auto"))
+    return plan
+
+
+def measure_encodings(args, deadline: float) -> list[dict]:
+    """Every mode in turn (eager first: a budget cut short leaves whole modes), every encoding in it."""
+    from posbench.encodings import REGISTRY
+
+    known = [name for name, cls in REGISTRY.items() if cls.position_dims == 1]
+    names = args.encodings.split(",") if args.encodings else known
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise SystemExit(f"--encodings: unknown {unknown}; choose from {sorted(known)}")
+    rows = []
+    for mode in args.modes:
+        for name, tokens, backends in encoding_plan(names):
+            tokens = [t for t in tokens if not args.tokens or t in args.tokens]
+            command = [sys.executable, str(Path(__file__).resolve()), "--child", "--encoding", name,
+                       "--backends", backends, "--modes", mode, "--tokens", ",".join(map(str, tokens)),
+                       "--device", args.device, "--deadline", str(deadline), "--threads", str(args.threads),
+                       "--tokens-per-step", str(args.tokens_per_step)]
+            done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
+                                  timeout=max(30.0, deadline - time.time() + 120))
+            found = [json.loads(line[len(RESULT_MARK):]) for line in done.stdout.splitlines()
+                     if line.startswith(RESULT_MARK)]
+            if not found:
+                tail = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+                found = [{"encoding": name, "backend": backend, "mode": mode, "tokens": t, "auto": backend == "auto",
+                          "status": f"failed: {tail}"[:300]} for backend in backends.split(",") for t in tokens]
+            rows += found
+            ok = sum(r["status"] == "ok" for r in found)
+            print(f"encodings ({mode}): {name}: {ok} of {len(found)} measured "
+                  f"({deadline - time.time():.0f} s of budget left)", file=sys.stderr, flush=True)
+    add_ratios(rows)
+    return rows
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """vs_nope: tokens/s over nope's at the same tokens and mode (nope on its auto backend)."""
+    base = {(r["mode"], r["tokens"]): r["tokens_per_s"] for r in rows
+            if r["encoding"] == BASELINE and r["auto"] and r["status"] == "ok"}
+    for row in rows:
+        reference = base.get((row["mode"], row["tokens"]))
+        row["vs_nope"] = row["tokens_per_s"] / reference if row["status"] == "ok" and reference else None
+
+
+def measure_default_job(args, out_device: str) -> list[dict]:
+    """The README's default job on this device, timed whole."""
+    with tempfile.TemporaryDirectory() as folder:
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "posbench", "encoding=rope", "task=copy", f"device={args.device}",
+                               f"hydra.run.dir={folder}", *args.job_overrides], cwd=ROOT, capture_output=True,
+                              text=True, env={**os.environ, "WANDB_MODE": "disabled"})
+        wall = time.perf_counter() - start
+        if done.returncode:
+            raise RuntimeError(f"the default job failed: {done.stderr[-2000:]}")
+        rows = [json.loads(line) for line in (Path(folder) / "results.jsonl").read_text().splitlines()]
+    at_n = next(r for r in rows if r["ratio"] == 1)
+    return [{"device": out_device, "wall_s": round(wall, 1), "train_s": at_n["train_seconds"],
+             "exact_match_at_n": at_n["exact_match"], "data_fingerprint": at_n["data_fingerprint"]}]
+
+
+def measure_sweep(args, deadline: float) -> list[dict]:
+    """The frontier study's copy runs of seed 0 through the sweep launcher: its wall time, extrapolated."""
+    with tempfile.TemporaryDirectory() as folder:
+        start = time.perf_counter()
+        command = [sys.executable, "-m", "posbench", "-m", "experiment=frontier", "seed=0", "frontier_task=copy",
+                   f"device={args.device}", f"hydra.sweep.dir={folder}", *args.sweep_launcher, *args.sweep_overrides]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                              timeout=max(30.0, deadline - time.time()), env={**os.environ, "WANDB_MODE": "disabled"})
+        wall_min = (time.perf_counter() - start) / 60
+        if done.returncode:
+            raise RuntimeError(f"the sweep failed: {done.stderr[-2000:]}")
+        runs = len(list(Path(folder).rglob("results.jsonl")))
+        concurrent = next((line.split("=", 1)[1] for line in args.sweep_launcher if "n_jobs=" in line
+                           or "runs_per_gpu=" in line), "launcher default")
+    return [{"runs": runs, "wall_min": round(wall_min, 3), "runs_per_hour": round(60 * runs / wall_min, 1),
+             "concurrent": concurrent, "extrapolated_study_min": round(wall_min * STUDY_COPY_PARTS, 1),
+             "note": f"measured: seed 0's {runs} copy runs; the study's {STUDY_RUNS} runs extrapolated by the CPU's "
+                     f"per-task cost against copy (x{STUDY_COPY_PARTS:.1f})"}]
+
+
+def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def parent(args: argparse.Namespace) -> None:
+    from posbench.build import resolve_device
+
+    began = time.time()
+    deadline = began + args.budget_s
+    device = resolve_device(args.device)
+    folder = Path(args.out) / device_slug(device_name(device))
+    shares = {"encodings": 0.55, "default_job": 0.15, "sweep": 0.3}  # of the budget, in the order of --parts
+    for part in args.parts:
+        part_deadline = min(deadline, time.time() + shares[part] * args.budget_s)
+        if part == "encodings":
+            write_csv(folder / "encodings.csv", ENCODING_FIELDS, measure_encodings(args, part_deadline))
+        elif part == "default_job":
+            write_csv(folder / "default_job.csv", DEFAULT_JOB_FIELDS, measure_default_job(args, device_name(device)))
+        else:
+            write_csv(folder / "sweep.csv", SWEEP_FIELDS, measure_sweep(args, part_deadline))
+    print(f"done in {time.time() - began:.0f} s: {folder}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default="encodings,default_job,sweep")
+    parser.add_argument("--budget-s", type=float, default=460.0, help="seconds for all parts together")
+    parser.add_argument("--encodings", default="", help="comma-separated; default: every 1-D encoding")
+    parser.add_argument("--tokens", default="", help="a subset of 32,256,1024,4096,8192")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tokens-per-step", type=int, default=TOKENS_PER_STEP, help="a batch's tokens, about")
+    parser.add_argument("--out", default=str(ROOT / "results" / "gpu"))
+    parser.add_argument("--sweep-launcher", nargs="*", default=["hydra/launcher=gpus"],
+                        help="the sweep's launcher overrides (default: the GPU-filling launcher)")
+    parser.add_argument("--job-overrides", nargs="*", default=[], help="overrides added to the default job")
+    parser.add_argument("--sweep-overrides", nargs="*", default=[], help="overrides added to the sweep")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--encoding", help=argparse.SUPPRESS)
+    parser.add_argument("--backends", help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child(args)
+        return
+    args.parts = [p for p in args.parts.split(",") if p]
+    bad = sorted(set(args.parts) - {"encodings", "default_job", "sweep"})
+    if bad:
+        raise SystemExit(f"--parts: unknown {bad}; choose from ['default_job', 'encodings', 'sweep']")
+    args.modes = [m for m in args.modes.split(",") if m]
+    if set(args.modes) - set(MODES):
+        raise SystemExit(f"--modes={','.join(args.modes)}: choose from {list(MODES)}")
+    args.tokens = [int(t) for t in args.tokens.split(",") if t] if args.tokens else []
+    parent(args)
+
+
+if __name__ == "__main__":
+    main()

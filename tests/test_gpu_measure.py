@@ -1,0 +1,64 @@
+"""scripts/gpu_measure.py, the GPU artifact's script, run for real on the CPU at a tiny size: its three files,
+their columns, nope's ratio, a backend that refuses recorded as such, and the budget leaving rows marked."""
+import csv
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+SCRIPT = ROOT / "scripts" / "gpu_measure.py"
+
+
+def run(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(tmp_path), *args],
+                            cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def read(tmp_path, name: str) -> list[dict]:
+    (folder,) = tmp_path.iterdir()  # results/gpu/<device name>/
+    with (folder / name).open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_encodings_on_every_backend_with_nope_in_the_same_run(tmp_path):
+    run(tmp_path, "--parts", "encodings", "--encodings", "alibi", "--tokens", "32", "--modes", "eager",
+        "--tokens-per-step", "256", "--budget-s", "300")
+    rows = read(tmp_path, "encodings.csv")
+    assert list(rows[0]) == ["encoding", "backend", "mode", "tokens", "tokens_per_s", "vs_nope", "auto",
+                             "batch_size", "status"]
+    assert [(r["encoding"], r["backend"], r["auto"]) for r in rows] == [
+        ("nope", "sdpa", "True"), ("alibi", "sdpa", "True"), ("alibi", "sdpa", "False"), ("alibi", "flex", "False"),
+        ("alibi", "eager", "False")]  # auto's choice named, then every backend
+    by_backend = {(r["encoding"], r["backend"]): r for r in rows if r["auto"] == "False" or r["encoding"] == "nope"}
+    assert float(by_backend["nope", "sdpa"]["vs_nope"]) == 1.0
+    for backend in ("sdpa", "eager"):
+        row = by_backend["alibi", backend]
+        assert row["status"] == "ok" and row["tokens"] == "33" and row["batch_size"] == str(256 // 33)
+        nope = float(by_backend["nope", "sdpa"]["tokens_per_s"])
+        assert float(row["vs_nope"]) == pytest.approx(float(row["tokens_per_s"]) / nope)
+    assert by_backend["alibi", "flex"]["status"].startswith("failed: ValueError: backend=flex trains on CUDA only")
+
+
+def test_a_spent_budget_leaves_every_row_marked_not_measured(tmp_path):
+    run(tmp_path, "--parts", "encodings", "--encodings", "t5", "--tokens", "32,8192", "--modes", "eager,compiled",
+        "--budget-s", "0")
+    rows = read(tmp_path, "encodings.csv")
+    assert len(rows) == 2 * 2 + 4 * 2 * 2  # nope on auto, t5 on auto and 3 backends; 2 modes x 2 lengths
+    assert {r["status"] for r in rows} == {"not measured: budget"}
+
+
+def test_the_default_job_and_the_sweep_parts(tmp_path):
+    run(tmp_path, "--parts", "default_job,sweep", "--job-overrides", "debug=smoke",
+        "--sweep-overrides", "debug=smoke", "frontier_method=nope,alibi",
+        "--sweep-launcher", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2")
+    (job,) = read(tmp_path, "default_job.csv")
+    assert job["device"].startswith("cpu") and float(job["wall_s"]) > float(job["train_s"]) > 0
+    assert 0 <= float(job["exact_match_at_n"]) <= 1 and len(job["data_fingerprint"]) == 16
+    (sweep,) = read(tmp_path, "sweep.csv")
+    assert sweep["runs"] == "2" and sweep["concurrent"] == "2"
+    assert float(sweep["runs_per_hour"]) == pytest.approx(120 / float(sweep["wall_min"]), rel=0.02)  # wall_min rounded
+    assert "extrapolated" in sweep["note"]
