@@ -97,7 +97,8 @@ def build_checked(cfg: DictConfig, device: torch.device) -> Built:
     encoding = instantiate(cfg.encoding)(dims=dims)
     torch.manual_seed(cfg.seed + 1)  # the model's initialisation must not depend on the encoding's table size
     trains = int(cfg.train.steps) > 0
-    backend = get_backend(cfg.backend.name, encoding, device, compiled=bool(cfg.train.compile) and trains)
+    dynamic_compile = cfg.train.compile in (True, "graphs") and trains  # flex needs fixed shapes in a graph
+    backend = get_backend(cfg.backend.name, encoding, device, dynamic_compile=dynamic_compile)
     if backend.name == "flex" and device.type == "cpu" and trains:
         raise ValueError("backend=flex trains on CUDA only; on CPU it evaluates (train.steps=0 with "
                          "train.init_from); use backend=sdpa or auto for training")

@@ -77,6 +77,23 @@ class Resume:
         return value
 
 
+COMPILE_MODES = (False, True, "static", "graphs")
+
+
+class Compile:
+    """train.compile: false, true (one graph with dynamic shapes), static (one graph per shape), graphs."""
+    type = object
+
+    def text(self) -> str:
+        return ("false | true (one graph, dynamic shapes) | static (a graph per shape; flex may train) | graphs "
+                "(one graph, each shape replayed as a CUDA graph; compiled only on the CPU)")
+
+    def __call__(self, key: str, value):
+        if not isinstance(value, bool) and not (isinstance(value, str) and value in COMPILE_MODES):
+            raise ValueError(f"{key}={value!r} is not valid; choose one of false, true, static, graphs")
+        return value
+
+
 class Chunk:
     type = object
 
@@ -176,7 +193,8 @@ SETTINGS: tuple[Setting, ...] = (
     S("train.weight_decay", Real(least=0), 0.01, "AdamW's, on the weight matrices"),
     S("train.grad_clip", Real(above=0), 1.0, "the gradient norm clipped to"),
     S("train.precision", Choice(PRECISION_NAMES), "fp32", "bf16: autocast in training and evaluation (GPUs)"),
-    S("train.compile", Flag(), False, "torch.compile the model for training"),
+    S("train.compile", Compile(), False, "torch.compile the model for training: true (dynamic shapes), static "
+      "(a graph per shape), graphs (CUDA graphs on CUDA)"),
     S("train.log_every", Integer(1), 25, "steps between logged training metrics"),
     S("train.save_checkpoint", Flag(), True, "keep <run dir>/checkpoint.pt after the run"),
     S("train.init_from", Text(null="a fresh model"), None, "a checkpoint.pt (or its run dir) to start from"),

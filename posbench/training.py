@@ -18,6 +18,7 @@ from posbench.rundir import CHECKPOINT_FILE, Status, StopRequest, StopSignals, s
 from tasks.base import Task
 
 TIMING_WARMUP_STEPS = 10
+STATIC_SHAPES = 64  # train.compile=static: graphs kept per model (a uniform length draw at N <= 64 uses N)
 
 
 def learning_rate(step: int, cfg_train: DictConfig) -> float:
@@ -55,9 +56,26 @@ def train_step(model, forward, task: Task, batch, positions: torch.Tensor, optim
     return loss, sums
 
 
-def compiled(model: torch.nn.Module, enabled: bool):
-    """The model's forward, through torch.compile when asked (dynamic shapes: lengths vary)."""
-    return torch.compile(model, dynamic=True) if enabled else model
+def compiled(model: torch.nn.Module, mode, device: torch.device):
+    """The model's forward for train.compile=mode: as it is (false), one graph with dynamic shapes (true),
+    a graph per shape (static: each training length compiles once, and FlexAttention's masks see
+    fixed sizes), or one dynamic graph whose every shape is recorded once as a CUDA graph and replayed
+    (graphs, on CUDA: the launches of a small model's hundreds of kernels become one; on the CPU the
+    dynamic graph alone)."""
+    if mode is False:
+        return model
+    if mode == "static":
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, STATIC_SHAPES)
+        return torch.compile(model, dynamic=False)
+    graphs = mode == "graphs" and device.type == "cuda"
+    return torch.compile(model, dynamic=True, mode="reduce-overhead" if graphs else None)
+
+
+def begin_step(mode, device: torch.device) -> None:
+    """Marks a new training step for the CUDA graphs of train.compile=graphs: the last step's outputs
+    (read before this) may be overwritten by the next replay."""
+    if mode == "graphs" and device.type == "cuda":
+        torch.compiler.cudagraph_mark_step_begin()
 
 
 @dataclass
@@ -121,7 +139,7 @@ def train(built: Built, cfg: DictConfig, device: torch.device, logger, checkpoin
     model, task, cfg_train = built.model, built.task, cfg.train
     model.train()
     optimizer = make_optimizer(model, cfg_train)
-    forward = compiled(distributed.wrap(model, device), cfg_train.compile)
+    forward = compiled(distributed.wrap(model, device), cfg_train.compile, device)
     generators = {"data": draws.generator(cfg.seed), "length": draws.generator(cfg.seed)}
     progress = TrainProgress()
     if resume is not None:
@@ -174,6 +192,7 @@ def train(built: Built, cfg: DictConfig, device: torch.device, logger, checkpoin
                 fingerprint.add(batch, positions)
                 progress.data_digest = fingerprint.digest
             batch, positions = draws.to_device(batch, device), draws.move(positions, device)
+            begin_step(cfg_train.compile, device)
             _, sums = train_step(model, forward, task, distributed.shard(batch), positions, optimizer, cfg_train,
                                  device)
             if timer_start is not None:

@@ -14,7 +14,8 @@ results/gpu/<device name>/ for docs/performance.md to read (scripts/docs_tables.
   `tokens` is the sequence the model sees (copy's 2n + 1 for n = tokens // 2). vs_nope divides by nope on its
   own auto backend at the same tokens and mode, measured in this run. One child process per encoding.
 - default_job.csv: `device, wall_s, train_s, exact_match_at_n, data_fingerprint` of the README's default
-  job (`python -m posbench encoding=rope task=copy`) on this device.
+  job (`python -m posbench encoding=rope task=copy`) on this device, as it is (compile eager) and with
+  train.compile=graphs (--job-compile), with its training steps and tokens per second.
 - sweep.csv: `runs, wall_min, runs_per_hour, concurrent` of the frontier study's copy runs of seed 0 (the
   part one call can hold) through the sweep launcher; `extrapolated_study_min` scales it to the whole study
   (156 runs) by the CPU's measured cost of each task against copy, and says so in `note`.
@@ -45,11 +46,12 @@ TARGETS = ("alibi", "sandwich", "kerple", "fox", "t5", "fire", "cope", "dape", "
 TOKENS = (32, 256, 1024, 4096)
 LONG_TOKENS = 8192  # for the encodings with a bias or a decay
 BACKENDS = ("sdpa", "flex", "eager")
-MODES = ("eager", "compiled")
+MODES = {"eager": False, "compiled": True, "static": "static", "graphs": "graphs"}  # -> train.compile
 TOKENS_PER_STEP = 65536  # a batch of about this many tokens: 64 sequences of 1,025
 WARMUP_STEPS, TIMED_STEPS = 3, 8
 ENCODING_FIELDS = ["encoding", "backend", "mode", "tokens", "tokens_per_s", "vs_nope", "auto", "batch_size", "status"]
-DEFAULT_JOB_FIELDS = ["device", "wall_s", "train_s", "exact_match_at_n", "data_fingerprint"]
+DEFAULT_JOB_FIELDS = ["device", "wall_s", "train_s", "exact_match_at_n", "data_fingerprint", "compile",
+                      "train_steps_per_s", "train_tokens_per_s", "status"]
 SWEEP_FIELDS = ["runs", "wall_min", "runs_per_hour", "concurrent", "extrapolated_study_min", "note"]
 # The frontier study's run minutes per task against copy on the CPU (docs/studies.md, seed 2: 3.8 min a
 # copy run, 7.5 sparse flip-flop, 5.4 WikiText, 9.6 counting): one seed of all four tasks costs this many
@@ -89,7 +91,7 @@ def child(args: argparse.Namespace) -> None:
 
     from posbench import draws
     from posbench.build import build, resolve_device, sync
-    from posbench.training import compiled, make_optimizer, train_step
+    from posbench.training import begin_step, compiled, make_optimizer, train_step
 
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -103,16 +105,17 @@ def child(args: argparse.Namespace) -> None:
                     continue
                 length = sequence_task_length(tokens)
                 try:
+                    compile_mode = MODES[mode]
                     cfg = compose_cfg([f"encoding={args.encoding}", f"backend={backend}", "model=small",
                                        f"train.length={length}", f"device={args.device}",
-                                       f"train.compile={mode == 'compiled'}"])
+                                       f"train.compile={str(compile_mode).lower()}"])
                     built = build(cfg, device)
                     model, task = built.model, built.task
                     seq = task.sequence_length(length)
                     batch_size = max(1, args.tokens_per_step // seq)
                     model.train()
                     optimizer = make_optimizer(model, cfg.train)
-                    forward = compiled(model, mode == "compiled")
+                    forward = compiled(model, compile_mode, device)
                     generator = draws.generator(0)
                     seconds = []
                     for step in range(WARMUP_STEPS + TIMED_STEPS):
@@ -120,6 +123,7 @@ def child(args: argparse.Namespace) -> None:
                         positions = torch.arange(seq, device=device)[None]  # [1, T]
                         sync(device)
                         start = time.perf_counter()
+                        begin_step(compile_mode, device)
                         train_step(model, forward, task, batch, positions, optimizer, cfg.train, device)
                         sync(device)
                         if step >= WARMUP_STEPS:
@@ -194,19 +198,27 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def measure_default_job(args, out_device: str) -> list[dict]:
-    """The README's default job on this device, timed whole."""
-    with tempfile.TemporaryDirectory() as folder:
-        start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "posbench", "encoding=rope", "task=copy", f"device={args.device}",
-                               f"hydra.run.dir={folder}", *args.job_overrides], cwd=ROOT, capture_output=True,
-                              text=True, env={**os.environ, "WANDB_MODE": "disabled"})
-        wall = time.perf_counter() - start
-        if done.returncode:
-            raise RuntimeError(f"the default job failed: {done.stderr[-2000:]}")
-        rows = [json.loads(line) for line in (Path(folder) / "results.jsonl").read_text().splitlines()]
-    at_n = next(r for r in rows if r["ratio"] == 1)
-    return [{"device": out_device, "wall_s": round(wall, 1), "train_s": at_n["train_seconds"],
-             "exact_match_at_n": at_n["exact_match"], "data_fingerprint": at_n["data_fingerprint"]}]
+    """The README's default job on this device, timed whole, as it is and with each --job-compile mode."""
+    rows = []
+    for mode in ["eager", *args.job_compile]:
+        with tempfile.TemporaryDirectory() as folder:
+            start = time.perf_counter()
+            command = [sys.executable, "-m", "posbench", "encoding=rope", "task=copy", f"device={args.device}",
+                       f"train.compile={str(MODES[mode]).lower()}", f"hydra.run.dir={folder}", *args.job_overrides]
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                                  env={**os.environ, "WANDB_MODE": "disabled"})
+            wall = time.perf_counter() - start
+            if done.returncode:
+                rows.append({"device": out_device, "compile": mode,
+                             "status": f"failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}"[:300]})
+                continue
+            results = [json.loads(line) for line in (Path(folder) / "results.jsonl").read_text().splitlines()]
+        at_n = next(r for r in results if r["ratio"] == 1)
+        rows.append({"device": out_device, "wall_s": round(wall, 1), "train_s": at_n["train_seconds"],
+                     "exact_match_at_n": at_n["exact_match"], "data_fingerprint": at_n["data_fingerprint"],
+                     "compile": mode, "train_steps_per_s": round(at_n["train_steps"] / at_n["train_seconds"], 1),
+                     "train_tokens_per_s": at_n["train_tokens_per_s"], "status": "ok"})
+    return rows
 
 
 def measure_sweep(args, deadline: float) -> list[dict]:
@@ -263,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget-s", type=float, default=460.0, help="seconds for all parts together")
     parser.add_argument("--encodings", default="", help="comma-separated; default: every 1-D encoding")
     parser.add_argument("--tokens", default="", help="a subset of 32,256,1024,4096,8192")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default="eager,compiled", help=f"of {','.join(MODES)} (train.compile)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens-per-step", type=int, default=TOKENS_PER_STEP, help="a batch's tokens, about")
@@ -271,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep-launcher", nargs="*", default=["hydra/launcher=gpus"],
                         help="the sweep's launcher overrides (default: the GPU-filling launcher)")
     parser.add_argument("--job-overrides", nargs="*", default=[], help="overrides added to the default job")
+    parser.add_argument("--job-compile", default="graphs", help="the default job again in these modes besides eager")
     parser.add_argument("--sweep-overrides", nargs="*", default=[], help="overrides added to the sweep")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--encoding", help=argparse.SUPPRESS)
@@ -285,9 +298,10 @@ def main(argv: list[str] | None = None) -> None:
     if bad:
         raise SystemExit(f"--parts: unknown {bad}; choose from ['default_job', 'encodings', 'sweep']")
     args.modes = [m for m in args.modes.split(",") if m]
-    if set(args.modes) - set(MODES):
-        raise SystemExit(f"--modes={','.join(args.modes)}: choose from {list(MODES)}")
     args.tokens = [int(t) for t in args.tokens.split(",") if t] if args.tokens else []
+    args.job_compile = [m for m in args.job_compile.split(",") if m and m != "eager"]
+    if set(args.modes + args.job_compile) - set(MODES):
+        raise SystemExit(f"--modes, --job-compile: choose from {list(MODES)}")
     parent(args)
 
 

@@ -87,3 +87,20 @@ def test_a_seeds_gpu_run_trains_and_evaluates_on_the_cpu_runs_sequences(tmp_path
         rows[device] = read_rows(tmp_path / device)
     assert [r["data_fingerprint"] for r in rows["cuda"]] == [r["data_fingerprint"] for r in rows["cpu"]]
     assert [r["loss"] for r in rows["cuda"]] == pytest.approx([r["loss"] for r in rows["cpu"]], rel=1e-3)
+
+
+@pytest.mark.parametrize("encoding,mode", [("alibi", "static"), ("fox", "static"), ("rope", "graphs"),
+                                           ("t5", "graphs")])
+def test_a_compiled_mode_trains_on_cuda_to_the_uncompiled_losses(encoding, mode, tmp_path):
+    """train.compile=static lets flex train in a graph (fixed shapes); graphs replays CUDA graphs."""
+    common = ["debug=smoke", "device=cuda", f"encoding={encoding}", "model.d_model=32", "train.lengths=fixed",
+              "train.steps=8", "eval.ratios=[1]"]
+    losses = {}
+    for compile_mode in ("false", mode):
+        posbench(*common, f"train.compile={compile_mode}", f"hydra.run.dir={tmp_path / compile_mode}", timeout=600)
+        rows = read_rows(tmp_path / compile_mode)
+        assert rows[0]["status"] == "ok"
+        losses[compile_mode] = rows[0]["loss"]
+        if encoding in ("alibi", "fox"):
+            assert rows[0]["backend"] == "flex"
+    assert losses[mode] == pytest.approx(losses["false"], rel=1e-3)

@@ -52,12 +52,13 @@ def test_a_spent_budget_leaves_every_row_marked_not_measured(tmp_path):
 
 
 def test_the_default_job_and_the_sweep_parts(tmp_path):
-    run(tmp_path, "--parts", "default_job,sweep", "--job-overrides", "debug=smoke",
+    run(tmp_path, "--parts", "default_job,sweep", "--job-overrides", "debug=smoke", "--job-compile", "",
         "--sweep-overrides", "debug=smoke", "frontier_method=nope,alibi",
         "--sweep-launcher", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2")
     (job,) = read(tmp_path, "default_job.csv")
     assert job["device"].startswith("cpu") and float(job["wall_s"]) > float(job["train_s"]) > 0
     assert 0 <= float(job["exact_match_at_n"]) <= 1 and len(job["data_fingerprint"]) == 16
+    assert job["compile"] == "eager" and job["status"] == "ok" and float(job["train_steps_per_s"]) > 0
     (sweep,) = read(tmp_path, "sweep.csv")
     assert sweep["runs"] == "2" and sweep["concurrent"] == "2"
     assert float(sweep["runs_per_hour"]) == pytest.approx(120 / float(sweep["wall_min"]), rel=0.02)  # wall_min rounded

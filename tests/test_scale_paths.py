@@ -181,7 +181,7 @@ def test_auto_backend_follows_the_device():
         enc = make_encoding(name, d_model=32)  # heads of 16 features
         assert (get_backend("auto", enc, cpu).name, get_backend("auto", enc, cuda).name) == (on_cpu, on_cuda), name
     assert get_backend("auto", make_encoding("alibi", d_model=16), cuda).name == "sdpa"  # heads of 8
-    assert get_backend("auto", make_encoding("alibi", d_model=32), cuda, compiled=True).name == "sdpa"  # in compile
+    assert get_backend("auto", make_encoding("alibi", d_model=32), cuda, dynamic_compile=True).name == "sdpa"  # in compile
 
 
 def test_fire_piecewise_linear_mlp_is_the_mlp():

@@ -1,0 +1,39 @@
+"""train.compile's modes on the CPU (CUDA graphs only replay on CUDA: tests/test_cuda.py): each trains the
+run the uncompiled model trains, to float differences; flex is refused only inside dynamic shapes."""
+import pytest
+
+from posbench.attention import get_backend
+from tests.helpers import make_encoding, posbench, read_rows
+
+SHORT = ["debug=smoke", "device=cpu", "train.steps=6", "train.warmup_steps=2", "eval.ratios=[1]", "eval.samples=16"]
+
+
+@pytest.fixture(scope="module")
+def eager_losses(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("eager")
+    posbench(*SHORT, "train.lengths=fixed", f"hydra.run.dir={run_dir}")
+    return [row["loss"] for row in read_rows(run_dir)]
+
+
+@pytest.mark.parametrize("mode", ["static", "graphs"])
+def test_a_compiled_mode_trains_the_uncompiled_run(mode, eager_losses, tmp_path):
+    posbench(*SHORT, "train.lengths=fixed", f"train.compile={mode}", f"hydra.run.dir={tmp_path}", timeout=600)
+    rows = read_rows(tmp_path)
+    assert [row["status"] for row in rows] == ["ok"]
+    assert [row["loss"] for row in rows] == pytest.approx(eager_losses, rel=1e-4)
+
+
+def test_flex_is_refused_in_dynamic_shapes_only():
+    encoding = make_encoding("alibi", d_model=32)
+    assert get_backend("auto", encoding, "cuda", dynamic_compile=True).name == "sdpa"
+    assert get_backend("auto", encoding, "cuda", dynamic_compile=False).name == "flex"
+    with pytest.raises(ValueError, match="train.compile=static"):
+        get_backend("flex", encoding, "cuda", dynamic_compile=True)
+
+
+@pytest.mark.parametrize("value", [1, "yes", "dynamic"])
+def test_an_unknown_compile_mode_is_refused_naming_the_modes(value, tmp_path):
+    result = posbench("debug=smoke", f"train.compile={value}", f"hydra.run.dir={tmp_path}", check=False)
+    assert result.returncode != 0
+    assert "train.compile" in result.stderr + result.stdout
+    assert "false, true, static, graphs" in result.stderr + result.stdout
