@@ -8,6 +8,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import posbench.settings  # noqa: F401  (registers the resolver --help's page reads)
+import posbench.gpu_slots  # noqa: F401  (registers ${posbench.gpu_jobs:...}, hydra/launcher=gpus's n_jobs)
 from posbench import distributed
 from posbench.runner import Refused, run
 

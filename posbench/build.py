@@ -3,15 +3,18 @@
 runs in. What posbench.training trains, posbench.evaluation evaluates and the scripts benchmark."""
 from __future__ import annotations
 
+import os
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from posbench.attention import get_backend
+from posbench import gpu_slots
+from posbench.attention import crossover
+from posbench.attention.select import measured_backend
 from posbench.encodings.base import Encoding, ModelDims
 from posbench.guard import GuardResult, check_run, translate_oom
 from posbench.model import ModelConfig, Transformer
@@ -24,9 +27,11 @@ from tasks.base import Task
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if str(name).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={name} but CUDA is not available here; use device=auto or device=cpu")
+    if name == "cuda":  # a job of hydra/launcher=gpus: its slot's GPU
+        return gpu_slots.sweep_gpu() or torch.device("cuda")
     return torch.device(name)
 
 
@@ -72,6 +77,11 @@ class Built:
     init_config: dict | None = None  # its resolved config (the run is grouped by it, not by the path)
     untrained: bool = False  # train.steps=0 without train.init_from: the fresh initialisation is evaluated
     guard: GuardResult | None = None  # evaluation batch sizes the memory guard allows (posbench.guard)
+    eval_backends: dict[int, str] = field(default_factory=dict)  # length -> auto's choice there, where measured
+
+    def backend_at(self, length: int) -> str:
+        """The backend that evaluates `length` (the training backend unless a crossover table chose)."""
+        return self.eval_backends.get(length, self.backend)
 
 
 def build(cfg: DictConfig, device: torch.device) -> Built:
@@ -97,18 +107,28 @@ def build_checked(cfg: DictConfig, device: torch.device) -> Built:
     encoding = instantiate(cfg.encoding)(dims=dims)
     torch.manual_seed(cfg.seed + 1)  # the model's initialisation must not depend on the encoding's table size
     trains = int(cfg.train.steps) > 0
-    dynamic_compile = cfg.train.compile in (True, "graphs") and trains  # flex needs fixed shapes in a graph
-    backend = get_backend(cfg.backend.name, encoding, device, dynamic_compile=dynamic_compile)
+    windowed = model_cfg.window is not None
+    backend = measured_backend(cfg.backend.name, encoding, device, task.sequence_length(train_length),
+                               cfg.train.compile, trains, windowed)
+    eval_backends = {}  # auto by a crossover table: each evaluation length its own (posbench.attention.crossover)
+    if cfg.backend.name == "auto" and crossover.table_path(device) is not None:
+        eval_backends = {length: measured_backend("auto", encoding, device, task.sequence_length(length),
+                                                  training=False, windowed=windowed).name for length in lengths}
     if backend.name == "flex" and device.type == "cpu" and trains:
         raise ValueError("backend=flex trains on CUDA only; on CPU it evaluates (train.steps=0 with "
                          "train.init_from); use backend=sdpa or auto for training")
+    if cfg.train.compile is not False and trains and device.type == "cpu" and os.environ.get("ATEN_CPU_CAPABILITY"):
+        raise ValueError(f"train.compile={str(cfg.train.compile).lower()} on the CPU under ATEN_CPU_CAPABILITY="
+                         f"{os.environ['ATEN_CPU_CAPABILITY']}: torch's inductor fails there (default: its C++ does not "
+                         "compile; avx2 on an AVX-512 CPU: NaN at the first step); unset ATEN_CPU_CAPABILITY or set "
+                         "train.compile=false")
     model = Transformer(model_cfg, encoding, backend).to(device)
     if task.memory:  # evaluation with segment recurrence: refuse before training
         model.check_recurrent()
     init_from = str(checkpoint_path(cfg.train.init_from)) if cfg.train.get("init_from") else None
     init_steps, init_config = load_initial_weights(model, init_from, cfg, device) if init_from else (0, None)
     built = Built(task, encoding, model, positions, backend.name, train_length, lengths, init_from, init_steps,
-                  init_config, untrained=int(cfg.train.steps) == 0 and init_from is None)
+                  init_config, untrained=int(cfg.train.steps) == 0 and init_from is None, eval_backends=eval_backends)
     built.guard = check_run(cfg, built, device)  # before check_built draws data at the longest length
     with translate_oom(built.lengths[-1], 1, "drawing the evaluation data"):
         check_built(built, cfg)

@@ -7,6 +7,7 @@ import torch
 from omegaconf import DictConfig
 
 from posbench import distributed, draws
+from posbench.attention import BACKENDS
 from posbench.build import Built, autocast, sync
 from posbench.memory import PeakMemory, return_large_blocks
 from posbench.metrics import ROW_METRICS
@@ -14,7 +15,7 @@ from posbench.rundir import StopSignals
 from posbench.validate import eval_chunk
 
 UNMEASURED = {**dict.fromkeys(ROW_METRICS), "eval_tokens_per_s": None, "peak_mem_mb": None,
-              "mem_kind": None, "data_fingerprint": None}  # a length that was not evaluated
+              "mem_kind": None, "data_fingerprint": None, "eval_backend": None}  # a length that was not evaluated
 
 
 @torch.no_grad()
@@ -25,6 +26,8 @@ def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.devi
     Data-parallel: every rank draws every batch and evaluates its own rows of it; the sums, tokens and
     seconds of the ranks are combined, so the metrics are the one-process metrics."""
     model, task = built.model, built.task
+    if built.eval_backends:  # auto by a crossover table: this length's fastest
+        model.use_backend(BACKENDS[built.backend_at(length)]())
     model.eval()
     model.set_eval_chunk(eval_chunk(cfg_eval.chunk))
     built.encoding.set_eval_length(task.sequence_length(built.train_length), task.sequence_length(length))
@@ -79,7 +82,8 @@ def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.devi
     peaks = [part[3] for part in ranks if part[3] is not None]
     return {**task.finalize(totals), "eval_tokens_per_s": timed_tokens / timed_seconds,
             "peak_mem_mb": max(peaks) if peaks else None, "mem_kind": memory.kind,
-            "data_fingerprint": draws.combined(train_digest, fingerprint.digest)}
+            "data_fingerprint": draws.combined(train_digest, fingerprint.digest),
+            "eval_backend": built.backend_at(length)}
 
 
 def sum_by_key(parts: list[dict[str, float]]) -> dict[str, float]:

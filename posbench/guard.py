@@ -102,14 +102,14 @@ def _contiguous_positions(built) -> bool:
     return built.task.position_dims == 1 or getattr(built.encoding, "position_dims", 1) == 1
 
 
-def attention_bytes(built, cfg, batch: int, tokens: int, keys: int, window: int | None,
+def attention_bytes(built, cfg, length: int, batch: int, tokens: int, keys: int, window: int | None,
                     chunk_setting) -> tuple[float, int | None]:
     """One layer's attention in evaluation: bytes at its largest chunk, and the chunk (None: one call)."""
     mcfg = built.model.cfg
     heads, head_dim = mcfg.n_heads, mcfg.d_model // mcfg.n_heads
     encoding = built.encoding
     hooks = set(encoding.hooks)
-    backend = BACKENDS[built.backend]
+    backend = BACKENDS[built.backend_at(length)]
     rows_fused = 4.0 * batch * heads * tokens * FLOAT  # out, lse and the kernel's per-row buffers
     logits = needs_logits(hooks) or window is not None
     decay = "decay" in hooks
@@ -180,10 +180,10 @@ def estimate(cfg: DictConfig, built, length: int, batch: int | None = None, chun
     attention, chunk = 0.0, None
     for window in sorted({mcfg.layer_window(layer) for layer in range(mcfg.n_layers)},
                          key=lambda w: (w is not None, w or 0)):
-        size, layer_chunk = attention_bytes(built, cfg, batch, tokens, keys, window, chunk_setting)
+        size, layer_chunk = attention_bytes(built, cfg, length, batch, tokens, keys, window, chunk_setting)
         if size > attention:
             attention, chunk = size, layer_chunk
-    if "bias" in built.encoding.hooks and chunk is None and BACKENDS[built.backend].takes_bias:
+    if "bias" in built.encoding.hooks and chunk is None and BACKENDS[built.backend_at(length)].takes_bias:
         distinct = 1 if built.encoding.bias_layers_shared else mcfg.n_layers  # held by the forward's PositionContext
         attention += distinct * mcfg.n_heads * float(tokens) * keys * FLOAT
     phases = {

@@ -87,12 +87,9 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, encoding: Encoding, backend: Backend):
         super().__init__()
-        backend.check(encoding)
-        if cfg.window is not None and not backend.runs_windows:
-            raise ValueError(f"backend={backend.name} does not run a sliding window (model.window={cfg.window}); "
-                             "use backend=sdpa or eager")
         self.cfg = cfg
         self.encoding = encoding
+        self.check_backend(backend)
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i, encoding, backend) for i in range(cfg.n_layers))
@@ -121,6 +118,18 @@ class Transformer(nn.Module):
         for block in self.blocks:
             x = block(x, positions)  # [B, L, D]
         return self.head(self.norm(x))  # [B, L, V]
+
+    def check_backend(self, backend: Backend) -> None:
+        backend.check(self.encoding)
+        if self.cfg.window is not None and not backend.runs_windows:
+            raise ValueError(f"backend={backend.name} does not run a sliding window (model.window={self.cfg.window}); "
+                             "use backend=sdpa or eager")
+
+    def use_backend(self, backend: Backend) -> None:
+        """Every layer attends through `backend` from now on (auto's choice for an evaluation length)."""
+        self.check_backend(backend)
+        for block in self.blocks:
+            block.attn.backend = backend
 
     def set_eval_chunk(self, queries: int | None) -> None:
         """Evaluation attends `queries` queries at a time in layers that form logits (None: all)."""

@@ -25,7 +25,7 @@ PLOT_METRICS = PRIMARY_METRICS  # a run's curve shows the first two it has
 # Every row carries these keys: the run's (posbench.runinfo.RunInfo), then the length's
 # (metrics may be None for a length that was not measured).
 LENGTH_KEYS = ("status", "eval_length", "eval_sequence_length", "ratio", "samples", *METRICS, "eval_tokens_per_s",
-               "peak_mem_mb", "mem_kind", "data_fingerprint", "time")
+               "peak_mem_mb", "mem_kind", "data_fingerprint", "eval_backend", "time")
 SCHEMA = (*RUN_KEYS, *LENGTH_KEYS)
 
 

@@ -1,10 +1,15 @@
 """train.compile's modes on the CPU (CUDA graphs only replay on CUDA: tests/test_cuda.py): each trains the
-run the uncompiled model trains, to float differences; flex is refused only inside dynamic shapes."""
+run the uncompiled model trains, to float differences; flex is refused only inside dynamic shapes. The compiled
+runs leave ATEN_CPU_CAPABILITY out of their environment: inductor picks its own instruction set (under a forced
+one it fails, and posbench refuses to compile there)."""
+import os
+
 import pytest
 
 from posbench.attention import get_backend
 from tests.helpers import make_encoding, posbench, read_rows
 
+INDUCTORS_OWN = {"ATEN_CPU_CAPABILITY": ""}  # empty: unset for torch and for posbench's refusal
 SHORT = ["debug=smoke", "device=cpu", "train.steps=6", "train.warmup_steps=2", "eval.ratios=[1]", "eval.samples=16"]
 
 
@@ -17,7 +22,8 @@ def eager_losses(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["static", "graphs"])
 def test_a_compiled_mode_trains_the_uncompiled_run(mode, eager_losses, tmp_path):
-    posbench(*SHORT, "train.lengths=fixed", f"train.compile={mode}", f"hydra.run.dir={tmp_path}", timeout=600)
+    posbench(*SHORT, "train.lengths=fixed", f"train.compile={mode}", f"hydra.run.dir={tmp_path}", timeout=600,
+             env=INDUCTORS_OWN)
     rows = read_rows(tmp_path)
     assert [row["status"] for row in rows] == ["ok"]
     assert [row["loss"] for row in rows] == pytest.approx(eager_losses, rel=1e-4)
@@ -37,3 +43,10 @@ def test_an_unknown_compile_mode_is_refused_naming_the_modes(value, tmp_path):
     assert result.returncode != 0
     assert "train.compile" in result.stderr + result.stdout
     assert "false, true, static, graphs" in result.stderr + result.stdout
+
+
+def test_compiling_on_the_cpu_under_a_forced_aten_capability_is_refused(tmp_path):
+    result = posbench(*SHORT, "train.compile=true", f"hydra.run.dir={tmp_path}", check=False,
+                      env={"ATEN_CPU_CAPABILITY": "avx2"})
+    assert result.returncode != 0
+    assert "train.compile=true on the CPU under ATEN_CPU_CAPABILITY=avx2" in result.stderr + result.stdout

@@ -19,6 +19,7 @@ LAUNCHERS = {
                                 "cpus_per_task": 6, "mem_gb": 32}),
     "local": ("LocalLauncher", {"gpus_per_node": 0, "cpus_per_task": 2, "mem_gb": 8, "timeout_min": 5}),
     "joblib": ("JoblibLauncher", {"n_jobs": 2}),
+    "gpus": ("JoblibLauncher", {"n_jobs": 4, "batch_size": "1"}),  # n_jobs=K x GPUs: tests/test_gpu_slots.py
 }
 
 
@@ -33,7 +34,7 @@ def test_launcher_composes_with_its_documented_keys(launcher):
 
 
 def test_launcher_files_are_ours_or_plugins():
-    assert set(options("hydra/launcher")) == {"slurm", "local"}
+    assert set(options("hydra/launcher")) == {"slurm", "local", "gpus"}
 
 
 def test_slurm_defaults_resolve_on_the_command_line():

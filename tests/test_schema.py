@@ -52,7 +52,7 @@ def test_every_option_sets_only_declared_settings(group):
 
 
 BAD_VALUES = {"Integer": "x", "Real": "x", "Flag": "maybe", "Choice": "bogus", "Text": [1], "Items": "notalist",
-              "Device": "gpu", "Resume": "maybe", "Chunk": 0, "Window": 0, "Published": 5}
+              "Device": "gpu", "Resume": "maybe", "Chunk": 0, "Window": 0, "Published": 5, "Compile": "sometimes"}
 
 
 @pytest.mark.parametrize("key", [s.key for s in SETTINGS])

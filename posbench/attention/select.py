@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from posbench.attention import crossover
 from posbench.attention.backend import Backend
 from posbench.attention.eager import EagerBackend
 from posbench.attention.flex import CUDA_MIN_HEAD_DIM, FlexBackend
@@ -45,3 +46,41 @@ def get_backend(name: str, encoding: Encoding | None = None, device: torch.devic
     if name == "flex" and dynamic_compile:
         raise ValueError(FLEX_IN_COMPILE)
     return BACKENDS[name]()
+
+
+def runnable(encoding: Encoding, device, training: bool, dynamic_compile: bool, windowed: bool) -> list[str]:
+    """The backends that can run `encoding` here: for training (on CUDA for flex, with heads of 16 features,
+    an encoding flex can differentiate and fixed shapes), or for evaluation."""
+    names = []
+    cuda = device is not None and torch.device(device).type == "cuda"
+    for name, cls in BACKENDS.items():
+        backend = cls()
+        try:
+            backend.check(encoding)
+        except ValueError:
+            continue
+        if windowed and not backend.runs_windows:
+            continue
+        if name == "flex":
+            head_dim = encoding.dims.d_model // encoding.dims.n_heads
+            if cuda and head_dim < CUDA_MIN_HEAD_DIM:
+                continue
+            if training and (not cuda or dynamic_compile or not encoding.flex_trains):
+                continue
+        names.append(name)
+    return names
+
+
+def measured_backend(name: str, encoding: Encoding, device, tokens: int, compile_mode=False, training: bool = True,
+                     windowed: bool = False) -> Backend:
+    """The backend for `tokens` tokens: `auto` takes the crossover table's fastest where the device has a
+    table with the encoding in it (posbench.attention.crossover), else its rule (get_backend); a backend
+    named outright is that backend. Evaluation runs uncompiled: compile_mode applies to training only."""
+    dynamic_compile = training and compile_mode in (True, "graphs")
+    chosen = get_backend(name, encoding, device, dynamic_compile=dynamic_compile)
+    path = crossover.table_path(device) if name == "auto" else None
+    if path is None:
+        return chosen
+    fastest = crossover.fastest(path, encoding.name, compile_mode if training else False, tokens,
+                                runnable(encoding, device, training, dynamic_compile, windowed))
+    return BACKENDS[fastest]() if fastest else chosen

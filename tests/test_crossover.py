@@ -1,0 +1,79 @@
+"""backend=auto by measurement (posbench/attention/crossover.py): a crossover table names the fastest backend
+per encoding, training mode and length; auto takes it for training at N and for each evaluation length, and
+keeps its rule where the table has no row. On the CPU the table comes through POSBENCH_CROSSOVER."""
+import csv
+
+import pytest
+import torch
+
+from posbench.attention import crossover
+from posbench.attention.select import runnable
+from posbench.build import build
+from tests.helpers import compose_cfg, make_encoding, posbench, read_rows
+
+FIELDS = ["encoding", "backend", "mode", "tokens", "tokens_per_s", "vs_nope", "auto", "batch_size", "status"]
+
+
+def write_table(path, rows) -> str:
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=FIELDS)
+        writer.writeheader()
+        for encoding, backend, mode, tokens, speed, *rest in rows:
+            auto, status = rest if rest else (False, "ok")
+            writer.writerow({"encoding": encoding, "backend": backend, "mode": mode, "tokens": tokens,
+                             "tokens_per_s": speed, "vs_nope": "", "auto": auto, "batch_size": 1, "status": status})
+    crossover.read_table.cache_clear()
+    return str(path)
+
+
+# alibi: eager fastest at 33 tokens (the smoke run's N = 16), sdpa from 257 on; a failed and an auto row ignored
+ALIBI = [("alibi", "eager", "eager", 33, 300.0), ("alibi", "sdpa", "eager", 33, 200.0),
+         ("alibi", "eager", "eager", 257, 100.0), ("alibi", "sdpa", "eager", 257, 400.0),
+         ("alibi", "flex", "eager", 257, 900.0, False, "failed: refused"), ("alibi", "eager", "eager", 257, 999.0, True, "ok"),
+         ("alibi", "sdpa", "compiled", 33, 500.0), ("alibi", "eager", "compiled", 33, 100.0)]
+
+
+def test_the_fastest_at_the_nearest_measured_length_among_the_backends_that_run_here(tmp_path):
+    path = write_table(tmp_path / "t.csv", ALIBI)
+    assert crossover.fastest(path, "alibi", False, 40, ["sdpa", "eager"]) == "eager"
+    assert crossover.fastest(path, "alibi", False, 65, ["sdpa", "eager"]) == "eager"  # nearer 33 than 257 (log)
+    assert crossover.fastest(path, "alibi", False, 100, ["sdpa", "eager"]) == "sdpa"
+    assert crossover.fastest(path, "alibi", False, 10000, ["sdpa", "eager"]) == "sdpa"
+    assert crossover.fastest(path, "alibi", False, 33, ["sdpa"]) == "sdpa"  # eager cannot run here: not taken
+    assert crossover.fastest(path, "alibi", True, 33, ["sdpa", "eager"]) == "sdpa"  # train.compile=true's rows
+    assert crossover.fastest(path, "alibi", "static", 33, ["sdpa", "eager"]) is None  # no row: auto's rule
+    assert crossover.fastest(path, "t5", False, 33, ["sdpa", "eager"]) is None
+
+
+def test_flex_runs_evaluation_only_on_the_cpu_and_never_inside_dynamic_shapes():
+    alibi = make_encoding("alibi", d_model=32)
+    assert runnable(alibi, "cpu", training=True, dynamic_compile=False, windowed=False) == ["eager", "sdpa"]
+    assert runnable(alibi, "cpu", training=False, dynamic_compile=False, windowed=False) == ["eager", "sdpa", "flex"]
+    assert "flex" not in runnable(alibi, "cuda", training=True, dynamic_compile=True, windowed=False)
+    assert "flex" in runnable(alibi, "cuda", training=True, dynamic_compile=False, windowed=False)
+    assert runnable(make_encoding("cope"), "cpu", training=True, dynamic_compile=False, windowed=False) == ["eager"]
+    assert "flex" not in runnable(alibi, "cuda", training=False, dynamic_compile=False, windowed=True)
+
+
+def test_auto_takes_the_table_for_training_and_each_evaluation_length(tmp_path, monkeypatch):
+    monkeypatch.setenv(crossover.TABLE_ENV, write_table(tmp_path / "t.csv", ALIBI))
+    built = build(compose_cfg("debug=smoke", "encoding=alibi", "eval.ratios=[1,8]"), torch.device("cpu"))
+    assert built.backend == "eager"  # 33 tokens at N
+    assert built.eval_backends == {16: "eager", 128: "sdpa"}  # 33 and 257 tokens
+    named = build(compose_cfg("debug=smoke", "encoding=alibi", "backend=sdpa"), torch.device("cpu"))
+    assert named.backend == "sdpa" and named.eval_backends == {}  # a backend named outright is kept
+    other = build(compose_cfg("debug=smoke", "encoding=t5"), torch.device("cpu"))
+    assert other.backend == "sdpa" and set(other.eval_backends.values()) == {"sdpa"}  # no row: the rule
+
+
+def test_a_run_records_the_backend_of_each_length_and_measures_what_the_rule_measures(tmp_path):
+    table = write_table(tmp_path / "t.csv", ALIBI)
+    common = ["debug=smoke", "device=cpu", "encoding=alibi", "eval.ratios=[1,8]", "eval.samples=16"]
+    posbench(*common, f"hydra.run.dir={tmp_path / 'table'}", env={crossover.TABLE_ENV: table})
+    posbench(*common, "backend=eager", f"hydra.run.dir={tmp_path / 'eager'}")
+    by_table, by_eager = read_rows(tmp_path / "table"), read_rows(tmp_path / "eager")
+    assert [(r["backend"], r["eval_backend"]) for r in by_table] == [("eager", "eager"), ("eager", "sdpa")]
+    assert [(r["backend"], r["eval_backend"]) for r in by_eager] == [("eager", "eager"), ("eager", "eager")]
+    # the same training; sdpa and eager evaluate the same model to float differences
+    assert [r["loss"] for r in by_table] == pytest.approx([r["loss"] for r in by_eager], rel=1e-5)
+    assert [r["data_fingerprint"] for r in by_table] == [r["data_fingerprint"] for r in by_eager]
