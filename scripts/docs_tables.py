@@ -586,11 +586,87 @@ def frontier_counting() -> str:
     return frontier("counting")
 
 
+GPU = ROOT / "results" / "gpu"
+NO_GPU_FILES = ("No GPU measurement is committed yet: `scripts/gpu_session.sh` runs `scripts/gpu_measure.py` on "
+                "one device and its files go to `results/gpu/<device>/`.\n")
+
+
+def gpu_files(name: str) -> list[tuple[str, list[dict]]]:
+    """(device folder, rows) of every results/gpu/<device>/<name> committed."""
+    found = []
+    for path in sorted(GPU.glob(f"*/{name}")):
+        with path.open(newline="") as handle:
+            found.append((path.parent.name, list(csv.DictReader(handle))))
+    return found
+
+
+def gpu_encodings() -> str:
+    """Per device and training mode: each encoding's tokens/s against nope on the backend auto gives it, by
+    sequence length, and where the backend is a choice, the fastest one measured there."""
+    found = gpu_files("encodings.csv")
+    if not found:
+        return NO_GPU_FILES
+    out = []
+    for device, rows in found:
+        for mode in dict.fromkeys(r["mode"] for r in rows):
+            here = [r for r in rows if r["mode"] == mode]
+            lengths = sorted({int(r["tokens"]) for r in here if r["status"] == "ok"})
+            out += [f"`{device}`, training `{mode}`: tokens/s against nope's at the same length (auto's backend; "
+                    "the fastest measured backend in brackets where it is another)", "",
+                    "| encoding | auto | " + " | ".join(f"{n:,} tokens" for n in lengths) + " |",
+                    "|---|---|" + "---:|" * len(lengths)]
+            for encoding in dict.fromkeys(r["encoding"] for r in here):
+                mine = [r for r in here if r["encoding"] == encoding and r["status"] == "ok"]
+                auto = {int(r["tokens"]): r for r in mine if r["auto"] == "True"}
+                cells = []
+                for n in lengths:
+                    named = [r for r in mine if r["auto"] == "False" and int(r["tokens"]) == n]
+                    best = max(named, key=lambda r: float(r["tokens_per_s"]), default=None)
+                    cell = f"{float(auto[n]['vs_nope']):.2f}" if n in auto and auto[n]["vs_nope"] else "–"
+                    if best is not None and n in auto and best["backend"] != auto[n]["backend"]:
+                        cell += f" ({best['backend']} {float(best['vs_nope']):.2f})"
+                    cells.append(cell)
+                backend = next(iter(auto.values()))["backend"] if auto else "–"
+                out.append(f"| {encoding} | {backend} | " + " | ".join(cells) + " |")
+            out.append("")
+    return "\n".join(out)
+
+
+def gpu_default_job() -> str:
+    found = gpu_files("default_job.csv")
+    if not found:
+        return NO_GPU_FILES
+    out = ["| device | train.compile | wall s | train s | steps/s | exact match at N | data_fingerprint |",
+           "|---|---|---:|---:|---:|---:|---|"]
+    for _, rows in found:
+        for r in rows:
+            if r.get("status", "ok") != "ok":
+                out.append(f"| {r['device']} | {r.get('compile', '')} | {r['status']} | | | | |")
+                continue
+            out.append(f"| {r['device']} | {r.get('compile', 'eager')} | {float(r['wall_s']):.1f} | "
+                       f"{float(r['train_s']):.1f} | {r.get('train_steps_per_s', '–')} | "
+                       f"{float(r['exact_match_at_n']):.3f} | `{r['data_fingerprint']}` |")
+    return "\n".join(out) + "\n"
+
+
+def gpu_sweep() -> str:
+    found = gpu_files("sweep.csv")
+    if not found:
+        return NO_GPU_FILES
+    out = ["| device | runs | at a time | wall min | runs/hour | the study (156 runs), min | how |",
+           "|---|---:|---:|---:|---:|---:|---|"]
+    for device, rows in found:
+        out += [f"| `{device}` | {r['runs']} | {r['concurrent']} | {float(r['wall_min']):.1f} | {r['runs_per_hour']} | "
+                f"{r['extrapolated_study_min']} | {r['note']} |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
 TABLES = {f.__name__.replace("_", "-"): f for f in (
     glance, core_copy_sort, catalogue_copy, randomized_copy, chomsky_encoder, kazemnejad_causal, addition_20k,
     grid_extrapolation, scale_study, scale_study_eos, scale_study_medium, report_sweep, lm_extrapolation,
     lm_extrapolation_sliding, lm_memory, rope_scaling, rope_finetune, frontier_glance, frontier_claims,
-    frontier_copy, frontier_flip_flop_sparse, frontier_wikitext, frontier_counting)}
+    frontier_copy, frontier_flip_flop_sparse, frontier_wikitext, frontier_counting, gpu_encodings, gpu_default_job,
+    gpu_sweep)}
 
 
 def pages() -> list[Path]:

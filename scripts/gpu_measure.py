@@ -17,7 +17,8 @@ results/gpu/<device name>/ for docs/performance.md to read (scripts/docs_tables.
   job (`python -m posbench encoding=rope task=copy`) on this device, as it is (compile eager) and with
   train.compile=graphs (--job-compile), with its training steps and tokens per second.
 - sweep.csv: `runs, wall_min, runs_per_hour, concurrent` of the frontier study's copy runs of seed 0 (the
-  part one call can hold) through the sweep launcher; `extrapolated_study_min` scales it to the whole study
+  part one call can hold) through the sweep launcher (hydra/launcher=gpus, n_jobs = concurrent), a row per
+  concurrency measured (a later call at another one adds its row); `extrapolated_study_min` scales it to the whole study
   (156 runs) by the CPU's measured cost of each task against copy, and says so in `note`.
 
 Everything runs within --budget-s (the parts in the order given, nope and the issue's targets first among the
@@ -29,7 +30,6 @@ import argparse
 import csv
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -58,11 +58,6 @@ SWEEP_FIELDS = ["runs", "wall_min", "runs_per_hour", "concurrent", "extrapolated
 # copy parts; the study is three seeds.
 STUDY_COPY_PARTS = 3 * (3.8 + 7.5 + 5.4 + 9.6) / 3.8
 STUDY_RUNS = 156
-
-
-def device_slug(name: str) -> str:
-    """A device's name as a folder: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def device_name(device) -> str:
@@ -233,12 +228,19 @@ def measure_sweep(args, deadline: float) -> list[dict]:
         if done.returncode:
             raise RuntimeError(f"the sweep failed: {done.stderr[-2000:]}")
         runs = len(list(Path(folder).rglob("results.jsonl")))
-        concurrent = next((line.split("=", 1)[1] for line in args.sweep_launcher if "n_jobs=" in line
-                           or "runs_per_gpu=" in line), "launcher default")
+        concurrent = next((line.split("=", 1)[1] for line in args.sweep_launcher if "n_jobs=" in line),
+                          "launcher default")
     return [{"runs": runs, "wall_min": round(wall_min, 3), "runs_per_hour": round(60 * runs / wall_min, 1),
              "concurrent": concurrent, "extrapolated_study_min": round(wall_min * STUDY_COPY_PARTS, 1),
              "note": f"measured: seed 0's {runs} copy runs; the study's {STUDY_RUNS} runs extrapolated by the CPU's "
                      f"per-task cost against copy (x{STUDY_COPY_PARTS:.1f})"}]
+
+
+def read_csv(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with path.open(newline="") as handle:
+        return list(csv.DictReader(handle))
 
 
 def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
@@ -251,6 +253,7 @@ def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
 
 
 def parent(args: argparse.Namespace) -> None:
+    from posbench.attention.crossover import device_slug
     from posbench.build import resolve_device
 
     began = time.time()
@@ -264,8 +267,11 @@ def parent(args: argparse.Namespace) -> None:
             write_csv(folder / "encodings.csv", ENCODING_FIELDS, measure_encodings(args, part_deadline))
         elif part == "default_job":
             write_csv(folder / "default_job.csv", DEFAULT_JOB_FIELDS, measure_default_job(args, device_name(device)))
-        else:
-            write_csv(folder / "sweep.csv", SWEEP_FIELDS, measure_sweep(args, part_deadline))
+        else:  # one row per concurrency: a later call at another one adds its row
+            path = folder / "sweep.csv"
+            rows = measure_sweep(args, part_deadline)
+            kept = [r for r in read_csv(path) if r["concurrent"] != str(rows[0]["concurrent"])]
+            write_csv(path, SWEEP_FIELDS, kept + rows)
     print(f"done in {time.time() - began:.0f} s: {folder}", file=sys.stderr)
 
 
@@ -280,8 +286,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens-per-step", type=int, default=TOKENS_PER_STEP, help="a batch's tokens, about")
     parser.add_argument("--out", default=str(ROOT / "results" / "gpu"))
-    parser.add_argument("--sweep-launcher", nargs="*", default=["hydra/launcher=gpus"],
-                        help="the sweep's launcher overrides (default: the GPU-filling launcher)")
+    parser.add_argument("--sweep-launcher", nargs="*", default=["hydra/launcher=gpus", "hydra.launcher.n_jobs=13"],
+                        help="the sweep's launcher overrides (default: the GPU-filling launcher, all 13 runs at once)")
     parser.add_argument("--job-overrides", nargs="*", default=[], help="overrides added to the default job")
     parser.add_argument("--job-compile", default="graphs", help="the default job again in these modes besides eager")
     parser.add_argument("--sweep-overrides", nargs="*", default=[], help="overrides added to the sweep")

@@ -1,6 +1,7 @@
 """scripts/gpu_measure.py, the GPU artifact's script, run for real on the CPU at a tiny size: its three files,
 their columns, nope's ratio, a backend that refuses recorded as such, and the budget leaving rows marked."""
 import csv
+import importlib.util
 import subprocess
 import sys
 
@@ -24,7 +25,16 @@ def read(tmp_path, name: str) -> list[dict]:
         return list(csv.DictReader(handle))
 
 
-def test_encodings_on_every_backend_with_nope_in_the_same_run(tmp_path):
+def docs_tables(monkeypatch, gpu_dir):
+    """scripts/docs_tables.py reading the GPU files from gpu_dir."""
+    spec = importlib.util.spec_from_file_location("docs_tables", ROOT / "scripts" / "docs_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "GPU", gpu_dir)
+    return module
+
+
+def test_encodings_on_every_backend_with_nope_in_the_same_run(tmp_path, monkeypatch):
     run(tmp_path, "--parts", "encodings", "--encodings", "alibi", "--tokens", "32", "--modes", "eager",
         "--tokens-per-step", "256", "--budget-s", "300")
     rows = read(tmp_path, "encodings.csv")
@@ -41,6 +51,11 @@ def test_encodings_on_every_backend_with_nope_in_the_same_run(tmp_path):
         nope = float(by_backend["nope", "sdpa"]["tokens_per_s"])
         assert float(row["vs_nope"]) == pytest.approx(float(row["tokens_per_s"]) / nope)
     assert by_backend["alibi", "flex"]["status"].startswith("failed: ValueError: backend=flex trains on CUDA only")
+    table = docs_tables(monkeypatch, tmp_path).gpu_encodings()  # docs/performance.md's, from this file
+    (device,) = [p.name for p in tmp_path.iterdir()]
+    assert f"`{device}`, training `eager`" in table and "| 33 tokens |" in table
+    alibi_auto = next(r for r in rows if r["encoding"] == "alibi" and r["auto"] == "True")
+    assert f"| alibi | sdpa | {float(alibi_auto['vs_nope']):.2f}" in table
 
 
 def test_a_spent_budget_leaves_every_row_marked_not_measured(tmp_path):
@@ -51,7 +66,7 @@ def test_a_spent_budget_leaves_every_row_marked_not_measured(tmp_path):
     assert {r["status"] for r in rows} == {"not measured: budget"}
 
 
-def test_the_default_job_and_the_sweep_parts(tmp_path):
+def test_the_default_job_and_the_sweep_parts(tmp_path, monkeypatch):
     run(tmp_path, "--parts", "default_job,sweep", "--job-overrides", "debug=smoke", "--job-compile", "",
         "--sweep-overrides", "debug=smoke", "frontier_method=nope,alibi",
         "--sweep-launcher", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2")
@@ -63,3 +78,13 @@ def test_the_default_job_and_the_sweep_parts(tmp_path):
     assert sweep["runs"] == "2" and sweep["concurrent"] == "2"
     assert float(sweep["runs_per_hour"]) == pytest.approx(120 / float(sweep["wall_min"]), rel=0.02)  # wall_min rounded
     assert "extrapolated" in sweep["note"]
+    tables = docs_tables(monkeypatch, tmp_path)
+    assert f"| {job['device']} | eager | {float(job['wall_s']):.1f} |" in tables.gpu_default_job()
+    assert "| 2 | 2 |" in tables.gpu_sweep()
+
+
+def test_a_sweep_at_another_concurrency_adds_its_row(tmp_path):
+    for jobs in (1, 2, 2):
+        run(tmp_path, "--parts", "sweep", "--sweep-overrides", "debug=smoke", "frontier_method=nope,alibi",
+            "--sweep-launcher", "hydra/launcher=joblib", f"hydra.launcher.n_jobs={jobs}")
+    assert sorted(row["concurrent"] for row in read(tmp_path, "sweep.csv")) == ["1", "2"]
