@@ -632,33 +632,33 @@ def gpu_encodings() -> str:
     return "\n".join(out)
 
 
-def gpu_default_job() -> str:
-    found = gpu_files("default_job.csv")
+def gpu_table(name: str, header: list[str], align: str, cells) -> str:
+    """A table with a row per row of every results/gpu/<device>/<name>: cells(device, row) -> its cells."""
+    found = gpu_files(name)
     if not found:
         return NO_GPU_FILES
-    out = ["| device | train.compile | wall s | train s | steps/s | exact match at N | data_fingerprint |",
-           "|---|---|---:|---:|---:|---:|---|"]
-    for _, rows in found:
-        for r in rows:
-            if r.get("status", "ok") != "ok":
-                out.append(f"| {r['device']} | {r.get('compile', '')} | {r['status']} | | | | |")
-                continue
-            out.append(f"| {r['device']} | {r.get('compile', 'eager')} | {float(r['wall_s']):.1f} | "
-                       f"{float(r['train_s']):.1f} | {r.get('train_steps_per_s', '–')} | "
-                       f"{float(r['exact_match_at_n']):.3f} | `{r['data_fingerprint']}` |")
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"]
+    out += ["| " + " | ".join(map(str, cells(device, r))) + " |" for device, rows in found for r in rows]
     return "\n".join(out) + "\n"
+
+
+def default_job_cells(device: str, r: dict) -> list:
+    if r.get("status", "ok") != "ok":
+        return [r["device"], r.get("compile", ""), r["status"], "", "", "", ""]
+    return [r["device"], r.get("compile", "eager"), f"{float(r['wall_s']):.1f}", f"{float(r['train_s']):.1f}",
+            r.get("train_steps_per_s", "–"), f"{float(r['exact_match_at_n']):.3f}", f"`{r['data_fingerprint']}`"]
+
+
+def gpu_default_job() -> str:
+    return gpu_table("default_job.csv", ["device", "train.compile", "wall s", "train s", "steps/s",
+                                         "exact match at N", "data_fingerprint"], "llrrrrl", default_job_cells)
 
 
 def gpu_sweep() -> str:
-    found = gpu_files("sweep.csv")
-    if not found:
-        return NO_GPU_FILES
-    out = ["| device | runs | at a time | wall min | runs/hour | the study (156 runs), min | how |",
-           "|---|---:|---:|---:|---:|---:|---|"]
-    for device, rows in found:
-        out += [f"| `{device}` | {r['runs']} | {r['concurrent']} | {float(r['wall_min']):.1f} | {r['runs_per_hour']} | "
-                f"{r['extrapolated_study_min']} | {r['note']} |" for r in rows]
-    return "\n".join(out) + "\n"
+    return gpu_table("sweep.csv", ["device", "runs", "at a time", "wall min", "runs/hour",
+                                   "the study (156 runs), min", "how"], "lrrrrrl",
+                     lambda device, r: [f"`{device}`", r["runs"], r["concurrent"], f"{float(r['wall_min']):.1f}",
+                                        r["runs_per_hour"], r["extrapolated_study_min"], r["note"]])
 
 
 TABLES = {f.__name__.replace("_", "-"): f for f in (
