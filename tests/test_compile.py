@@ -5,9 +5,12 @@ one it fails, and posbench refuses to compile there)."""
 import os
 
 import pytest
+import torch
 
 from posbench.attention import get_backend
-from tests.helpers import make_encoding, posbench, read_rows
+from posbench.build import build
+from posbench.encodings import REGISTRY
+from tests.helpers import compose_cfg, make_encoding, posbench, read_rows
 
 INDUCTORS_OWN = {"ATEN_CPU_CAPABILITY": ""}  # empty: unset for torch and for posbench's refusal
 SHORT = ["debug=smoke", "device=cpu", "train.steps=6", "train.warmup_steps=2", "eval.ratios=[1]", "eval.samples=16"]
@@ -50,3 +53,35 @@ def test_compiling_on_the_cpu_under_a_forced_aten_capability_is_refused(tmp_path
                       env={"ATEN_CPU_CAPABILITY": "avx2"})
     assert result.returncode != 0
     assert "train.compile=true on the CPU under ATEN_CPU_CAPABILITY=avx2" in result.stderr + result.stdout
+
+
+GRAPH_BREAKS = {  # encodings whose training forward cannot be one graph, and why
+    "floater": "its ODE trajectory is integrated up to the largest position, a size read on the host",
+}
+SEQUENCE_ENCODINGS = sorted(name for name, cls in REGISTRY.items() if cls.position_dims == 1)
+
+
+@pytest.mark.parametrize("name", SEQUENCE_ENCODINGS)
+def test_every_encoding_trains_as_one_graph_that_gives_the_eager_gradients(name):
+    """torch.compile(fullgraph=True) through AOTAutograd without inductor: no graph break in the forward or
+    its backward (train.compile's graphs stay whole: one CUDA graph a shape), and the traced path (where an
+    encoding skips its host reads while compiling) gives the eager logits and gradients."""
+    built = build(compose_cfg("debug=smoke", f"encoding={name}", "train.lengths=fixed", "device=cpu"),
+                  torch.device("cpu"))
+    model = built.model.train()
+    ids = torch.randint(0, built.task.vocab_size, (3, 33), generator=torch.Generator().manual_seed(0))  # [B, T]
+    pos = torch.arange(33)[None]  # [1, T]
+    torch._dynamo.reset()
+    traced = torch.compile(model, backend="aot_eager", fullgraph=True)
+    if name in GRAPH_BREAKS:
+        with pytest.raises((torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
+            traced(ids, pos)
+        return
+    results = []
+    for forward in (model, traced):
+        model.zero_grad()
+        logits = forward(ids, pos)  # [B, T, V]
+        logits.square().mean().backward()
+        results.append([logits.detach(), *(p.grad.clone() for p in model.parameters() if p.grad is not None)])
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6 * float(expected.abs().max().clamp(min=1)))

@@ -169,6 +169,15 @@ class Encoding(nn.Module):
         return ", ".join(f"{k}={v}" for k, v in self.params().items())
 
 
+def position_range(pos: torch.Tensor) -> tuple[int, int] | None:
+    """(smallest, largest) position id, read on the host for a bounds check; None inside a compiled graph
+    (train.compile), where the read would break the graph: training positions lie within the tables
+    by construction, and evaluation, where lengths grow, runs uncompiled."""
+    if torch.compiler.is_compiling():
+        return None
+    return int(pos.min()), int(pos.max())
+
+
 def relative_distance(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """i - j for every query/key pair: [B', Lq], [B', Lk] -> [B', Lq, Lk]."""
     return q_pos[:, :, None] - k_pos[:, None, :]

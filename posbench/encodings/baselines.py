@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from posbench.checks import Flag, Real
-from posbench.encodings.base import Encoding, ModelDims
+from posbench.encodings.base import Encoding, ModelDims, position_range
 
 
 class ScalarPosition(Encoding):
@@ -98,9 +98,9 @@ class Binary(Encoding):
         return {"n_bits": self.n_bits}
 
     def embed(self, x: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        low, high = int(pos.min()), int(pos.max())
-        if low < 0 or high >= 2 ** self.n_bits:
+        span = position_range(pos)
+        if span is not None and (span[0] < 0 or span[1] >= 2 ** self.n_bits):
             raise IndexError(f"binary encoding writes positions 0..{2 ** self.n_bits - 1} in {self.n_bits} bits "
-                             f"but got positions {low}..{high}; the run sized it from its eval lengths")
+                             f"but got positions {span[0]}..{span[1]}; the run sized it from its eval lengths")
         bits = position_bits(pos, self.n_bits).to(x.dtype)  # [B', L, n_bits]
         return x + F.pad(bits, (0, x.shape[-1] - self.n_bits))  # [B, L, D]: zeros past the bits

@@ -219,8 +219,11 @@ class Composite(Encoding):
 def agreed_logit_scale(owner: str, parts, head_dim: int, default: float) -> float:
     """The one logit scale the parts agree on: the default unless a part overrides it (tener 1, deberta
     1/sqrt(3d)); two different overrides are refused."""
-    overrides = {part.name: scale for part in parts  # by value: a urpe part inherits Composite's method
-                 if (scale := part.logit_scale(head_dim)) != default}
+    overrides = {}
+    for part in parts:  # by value: a urpe part inherits Composite's method
+        scale = part.logit_scale(head_dim)
+        if scale != default:
+            overrides[part.name] = scale
     if len(set(overrides.values())) > 1:
         raise ValueError(f"{owner}: parts disagree on the logit scale {overrides} (head size {head_dim}); "
                          "combine parts that keep the same scale")

@@ -62,7 +62,8 @@ class _Positional(torch.autograd.Function):
         rows = e.shape[0] - 1
         if rows <= p.shape[-1]:  # else p <= the keys < rows
             p.clamp_(max=rows - 1)
-        used = int(p[..., 0].max()) + 2  # the rows read: p is largest at the first key
+        # the rows read: p is largest at the first key; every row inside a compiled graph (no host read there)
+        used = e.shape[0] if torch.compiler.is_compiling() else int(p[..., 0].max()) + 2
         z = (q.to(e.dtype) @ e[:used].T).to(e.dtype)  # [B, H, Lq, used], float32 under bf16 autocast too
         # flat indices of z[f]: index_select and index_add_ take int32, half the bytes of gather's int64
         kind = torch.int32 if z.numel() < 2 ** 31 else torch.int64
@@ -125,7 +126,9 @@ class CoPE(Encoding):
         e = nn.functional.pad(e, (0, 0, 0, 1))  # a zero row past the last: z[f + 1] where p clamps, weighed 0
         visible = call.visible()  # [Lq, Lk] or None
         hidden = None
-        if visible is not None and not visible.all():
+        if visible is not None and torch.compiler.is_compiling():  # no host read inside a compiled graph
+            hidden = ~visible  # [Lq, Lk]
+        elif visible is not None and not visible.all():
             first = int((~visible).any(0).nonzero()[0])  # the first key hidden from some query
             hidden = ~visible[:, first:]  # [Lq, Lk - first]
         # CoPE alone gets logits = q . k / sqrt(d); beside other parts they may hold a bias or decay too

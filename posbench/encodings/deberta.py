@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from posbench.checks import Integer
-from posbench.encodings.base import Encoding, ModelDims, check_choice, relative_distance
+from posbench.encodings.base import Encoding, ModelDims, check_choice, position_range, relative_distance
 
 INIT_STD = 0.02  # the model's own initialisation scale
 # which row of Qr the position-to-content term of (i, j) reads: the paper's delta(j, i), or
@@ -65,8 +65,10 @@ class DeBERTa(Encoding):
 
     def relative_rows(self, proj: nn.Linear, rows: torch.Tensor, h: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The projected table rows that `rows` use, and `rows` renumbered into them: only the window
-        of offsets a block of queries meets is projected and dotted (a block sees ~Lq + Lk of 2k + 1)."""
-        first, last = int(rows.min()), int(rows.max())
+        of offsets a block of queries meets is projected and dotted (a block sees ~Lq + Lk of 2k + 1); inside a
+        compiled graph, where that window would be read on the host, every row (position_range)."""
+        span = position_range(rows)
+        first, last = span if span is not None else (0, self.rel_table.shape[0] - 1)
         projected = proj(self.rel_table[first:last + 1]).view(-1, h, d).transpose(0, 1)  # [H, window, d]
         return projected, rows - first
 

@@ -42,14 +42,18 @@ def piecewise_linear_mlp(mlp: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     w, b = hidden.weight[:, 0], hidden.bias  # [width], [width]
     flat = w == 0  # a unit with w = 0 has no breakpoint: on or off everywhere
     breaks = torch.where(flat, torch.full_like(b, float("inf")), -b / torch.where(flat, torch.ones_like(w), w))
-    breaks = breaks.detach().sort().values  # [width]
-    finite = breaks[breaks.isfinite()]
-    edges = torch.cat([finite[:1] - 1, finite, finite[-1:] + 1]) if finite.numel() else breaks.new_zeros(2)
+    breaks = breaks.detach().sort().values  # [width], the flat units' infinities last
+    # a flat unit's breakpoint moves to one past the last finite one (0 when none is): an empty segment there,
+    # never searched into, and sizes that do not depend on the weights (no host read in a compiled graph)
+    finite = breaks.isfinite()
+    past = torch.where(finite.any(), breaks.masked_fill(~finite, float("-inf")).max() + 1, 0.0)
+    breaks = torch.where(finite, breaks, past)  # [width]
+    edges = torch.cat([breaks[:1] - 1, breaks, breaks[-1:] + 1])  # [width + 2]
     middles = (edges[:-1] + edges[1:]) / 2  # one point inside each of the width + 1 segments: [S]
     on = (middles[:, None] * w + b > 0).to(w.dtype)  # [S, width]
     slope = (on * w) @ out.weight.T  # [S, H]
     intercept = (on * b) @ out.weight.T + out.bias  # [S, H]
-    segment = torch.searchsorted(finite.contiguous(), x.detach().contiguous(), right=True)  # [...]
+    segment = torch.searchsorted(breaks.contiguous(), x.detach().contiguous(), right=True)  # [...]
     return slope[segment] * x[..., None] + intercept[segment]  # [..., H]
 
 

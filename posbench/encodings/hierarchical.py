@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from posbench.checks import Real
-from posbench.encodings.base import Encoding, ModelDims
+from posbench.encodings.base import Encoding, ModelDims, position_range
 
 
 def hierarchical_rows(table: torch.Tensor, pos: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -63,8 +63,8 @@ class Hierarchical(Encoding):
     def embed(self, x: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         pos = pos.long()
         n = self.table.shape[0]
-        low, high = int(pos.min()), int(pos.max())
-        if low < 0 or high >= n * n:
+        span = position_range(pos)
+        if span is not None and (span[0] < 0 or span[1] >= n * n):
             raise IndexError(f"hierarchical encoding covers positions 0..{n * n - 1} ({n} trained rows squared) "
-                             f"but got positions {low}..{high}")
+                             f"but got positions {span[0]}..{span[1]}")
         return x + hierarchical_rows(self.table, pos, self.alpha).to(x.dtype)  # [B, L, D]

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from posbench.checks import Real
-from posbench.encodings.base import Encoding, ModelDims, check_choice
+from posbench.encodings.base import Encoding, ModelDims, check_choice, position_range
 from posbench.encodings.hierarchical import check_hierarchical, hierarchical_rows
 
 # error: refuse before training; clamp: reuse the last trained row; random: the untrained
@@ -39,9 +39,9 @@ class Learned(Encoding):
 
     def embed(self, x: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         pos = pos.long()
-        top = int(pos.max())
-        if top >= self.table.shape[0]:
-            raise IndexError(f"learned table has {self.table.shape[0]} rows but position {top} was asked for; "
+        span = position_range(pos)
+        if span is not None and span[1] >= self.table.shape[0]:
+            raise IndexError(f"learned table has {self.table.shape[0]} rows but position {span[1]} was asked for; "
                              "the run sized it from eval lengths, so this input is longer than planned")
         if self.policy == "clamp":
             pos = pos.clamp(max=self.dims.train_positions - 1)
