@@ -2,7 +2,6 @@
 run the uncompiled model trains, to float differences; flex is refused only inside dynamic shapes. The compiled
 runs leave ATEN_CPU_CAPABILITY out of their environment: inductor picks its own instruction set (under a forced
 one it fails, and posbench refuses to compile there)."""
-import os
 
 import pytest
 import torch
