@@ -86,7 +86,7 @@ class Compile:
 
     def text(self) -> str:
         return ("false | true (one graph, dynamic shapes) | static (a graph per shape; flex may train) | graphs "
-                "(one graph, each shape replayed as a CUDA graph; compiled only on the CPU)")
+                "(each shape replayed as a CUDA graph; compiled only on the CPU)")
 
     def __call__(self, key: str, value):
         if not isinstance(value, bool) and not (isinstance(value, str) and value in COMPILE_MODES):

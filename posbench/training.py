@@ -56,19 +56,19 @@ def train_step(model, forward, task: Task, batch, positions: torch.Tensor, optim
     return loss, sums
 
 
-def compiled(model: torch.nn.Module, mode, device: torch.device):
+def compiled(model: torch.nn.Module, mode, device: torch.device, flex: bool = False):
     """The model's forward for train.compile=mode: as it is (false), one graph with dynamic shapes (true),
     a graph per shape (static: each training length compiles once, and FlexAttention's masks see
-    fixed sizes), or one dynamic graph whose every shape is recorded once as a CUDA graph and replayed
-    (graphs, on CUDA: the launches of a small model's hundreds of kernels become one; on the CPU the
-    dynamic graph alone)."""
+    fixed sizes), or graphs: each shape recorded once as a CUDA graph and replayed (on CUDA: the launches
+    of a small model's hundreds of kernels become one), from one dynamic graph, or a graph per shape when
+    the model attends with `flex`; on the CPU the graph alone."""
     if mode is False:
         return model
-    if mode == "static":
+    static = mode == "static" or mode == "graphs" and flex
+    if static:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, STATIC_SHAPES)
-        return torch.compile(model, dynamic=False)
     graphs = mode == "graphs" and device.type == "cuda"
-    return torch.compile(model, dynamic=True, mode="reduce-overhead" if graphs else None)
+    return torch.compile(model, dynamic=not static, mode="reduce-overhead" if graphs else None)
 
 
 def begin_step(mode, device: torch.device) -> None:
@@ -139,7 +139,7 @@ def train(built: Built, cfg: DictConfig, device: torch.device, logger, checkpoin
     model, task, cfg_train = built.model, built.task, cfg.train
     model.train()
     optimizer = make_optimizer(model, cfg_train)
-    forward = compiled(distributed.wrap(model, device), cfg_train.compile, device)
+    forward = compiled(distributed.wrap(model, device), cfg_train.compile, device, flex=built.backend == "flex")
     generators = {"data": draws.generator(cfg.seed), "length": draws.generator(cfg.seed)}
     progress = TrainProgress()
     if resume is not None:

@@ -74,7 +74,7 @@ def test_unknown_key_is_refused():
     (["eval.chunk=0"], "eval.chunk=0 is not valid"),
     (["backend=flex", "encoding=alibi", "device=cpu"], "backend=flex trains on CUDA only"),
     (["backend=flex", "encoding=alibi", "train.compile=true"], "backend=flex cannot train inside a graph with dynamic"),
-    (["backend=flex", "encoding=alibi", "train.compile=graphs"], "backend=flex cannot train inside a graph with dynamic"),
+    (["backend=flex", "encoding=alibi", "train.compile=graphs"], "backend=flex trains on CUDA only"),  # fixed shapes
 ])
 def test_invalid_combinations_fail_before_training(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -90,9 +90,10 @@ def test_a_seeds_gpu_run_trains_and_evaluates_on_the_cpu_runs_sequences(tmp_path
 
 
 @pytest.mark.parametrize("encoding,mode", [("alibi", "static"), ("fox", "static"), ("rope", "graphs"),
-                                           ("t5", "graphs")])
+                                           ("t5", "graphs"), ("alibi", "graphs"), ("cope", "graphs")])
 def test_a_compiled_mode_trains_on_cuda_to_the_uncompiled_losses(encoding, mode, tmp_path):
-    """train.compile=static lets flex train in a graph (fixed shapes); graphs replays CUDA graphs."""
+    """train.compile=static lets flex train in a graph (fixed shapes); graphs replays CUDA graphs, of a graph
+    per shape with flex (alibi) and of one dynamic graph otherwise (cope on eager, rope and t5 on sdpa)."""
     common = ["debug=smoke", "device=cuda", f"encoding={encoding}", "model.d_model=32", "train.lengths=fixed",
               "train.steps=8", "eval.ratios=[1]"]
     losses = {}

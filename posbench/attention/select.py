@@ -12,9 +12,9 @@ from posbench.encodings.base import Encoding
 
 BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (EagerBackend, SdpaBackend, FlexBackend)}
 # the causal mask_mod closes over lk - lq, a derived symbolic size under dynamic=True (pytorch issue 182606)
-FLEX_IN_COMPILE = ("backend=flex cannot train inside a graph with dynamic shapes (train.compile=true or graphs): "
-                   "inductor failed to lower the compiled model's FlexAttention (torch 2.11, alibi and fox on an "
-                   "H200: ShapeAsConstantBuffer); use train.compile=static (a graph per shape), backend=auto "
+FLEX_IN_COMPILE = ("backend=flex cannot train inside a graph with dynamic shapes (train.compile=true): inductor "
+                   "failed to lower the compiled model's FlexAttention (torch 2.11, alibi and fox on an H200: "
+                   "ShapeAsConstantBuffer); use train.compile=static or graphs (a graph per shape), backend=auto "
                    "(sdpa there) or train.compile=false")
 
 
@@ -25,8 +25,8 @@ def get_backend(name: str, encoding: Encoding | None = None, device: torch.devic
     decay (SDPA would take a dense mask, or a head size the flash kernel refuses) where heads have
     at least 16 features (flex's CUDA kernels refuse fewer), flex can differentiate it
     (Encoding.flex_trains) and the model is not trained in a graph with dynamic shapes
-    (`dynamic_compile`: flex is refused there, FLEX_IN_COMPILE; train.compile=static gives it fixed
-    shapes), else sdpa; on CPU sdpa (its fused kernel with the causal flag beat compiled flex 1.4-1.7x
+    (`dynamic_compile`: flex is refused there, FLEX_IN_COMPILE; train.compile=static and graphs give it
+    fixed shapes), else sdpa; on CPU sdpa (its fused kernel with the causal flag beat compiled flex 1.4-1.7x
     in evaluation at 4k tokens, and flex cannot train there); eager for hooks neither runs."""
     if name == "auto":
         if encoding is None:
@@ -76,7 +76,7 @@ def measured_backend(name: str, encoding: Encoding, device, tokens: int, compile
     """The backend for `tokens` tokens: `auto` takes the crossover table's fastest where the device has a
     table with the encoding in it (posbench.attention.crossover), else its rule (get_backend); a backend
     named outright is that backend. Evaluation runs uncompiled: compile_mode applies to training only."""
-    dynamic_compile = training and compile_mode in (True, "graphs")
+    dynamic_compile = training and compile_mode is True
     chosen = get_backend(name, encoding, device, dynamic_compile=dynamic_compile)
     path = crossover.table_path(device) if name == "auto" else None
     if path is None:
