@@ -2,24 +2,26 @@
 results/gpu/<device name>/ for docs/performance.md to read (scripts/docs_tables.py).
 
     python scripts/gpu_measure.py [--budget-s 460] [--parts encodings,default_job,sweep]
-        [--encodings nope,alibi,...] [--tokens 32,256,1024,4096] [--modes eager,compiled]
-        [--device auto] [--out results/gpu] [--sweep-runs 13]
+        [--encodings nope,alibi,...] [--tokens 32,256,1024,4096] [--modes eager,graphs]
+        [--device auto] [--out results/gpu] [--job-compile graphs] [--sweep-launcher OVERRIDE ...]
 
 - encodings.csv: `encoding, backend, mode, tokens, tokens_per_s, vs_nope` (and auto, batch_size, status) for
   every 1-D encoding on the backend `auto` gives it (auto true), and for those with a bias or a decay (where
-  the backend is a choice) on sdpa, flex and eager besides, eager and compiled (posbench.training.compiled:
-  the runner's train.compile=true), at about 32, 256, 1,024 and 4,096 tokens (8,192 too with a bias or a
-  decay). A backend that cannot train the encoding here is a row with its refusal as status. A step is posbench.training.train_step on the copy task
-  at model=small, with about TOKENS_PER_STEP tokens a batch; tokens/s is over the median of the timed steps.
-  `tokens` is the sequence the model sees (copy's 2n + 1 for n = tokens // 2). vs_nope divides by nope on its
+  the backend is a choice) on sdpa, flex and eager besides, in each training mode of --modes (train.compile:
+  eager, and graphs by default, the compiled mode with CUDA graphs), at about 32, 256, 1,024 and 4,096 tokens
+  (8,192 too with a bias or a decay). A backend that cannot train the encoding here is a row with its refusal
+  as status. A step is posbench.training.train_step on the copy task at model=small, with about
+  TOKENS_PER_STEP tokens a batch, of one model per backend and mode built for the longest length (a compiled
+  forward compiles once, as in a run); tokens/s is over the median of the timed steps. `tokens` is the
+  sequence the model sees (copy's 2n + 1 for n = tokens // 2). vs_nope divides by nope on its
   own auto backend at the same tokens and mode, measured in this run. One child process per encoding.
 - default_job.csv: `device, wall_s, train_s, exact_match_at_n, data_fingerprint` of the README's default
   job (`python -m posbench encoding=rope task=copy`) on this device, as it is (compile eager) and with
   train.compile=graphs (--job-compile), with its training steps and tokens per second.
 - sweep.csv: `runs, wall_min, runs_per_hour, concurrent` of the frontier study's copy runs of seed 0 (the
   part one call can hold) through the sweep launcher (hydra/launcher=gpus, n_jobs = concurrent), a row per
-  concurrency measured (a later call at another one adds its row); `extrapolated_study_min` scales it to the whole study
-  (156 runs) by the CPU's measured cost of each task against copy, and says so in `note`.
+  concurrency measured (a later call at another one adds its row); `extrapolated_study_min` scales it to the
+  whole study (156 runs) by the CPU's measured cost of each task against copy, and says so in `note`.
 
 Everything runs within --budget-s (the parts in the order given, nope and the issue's targets first among the
 encodings); what the budget leaves out is written as rows with status `not measured: budget`, never dropped.
@@ -82,6 +84,8 @@ def sequence_task_length(tokens: int) -> int:
 
 
 def child(args: argparse.Namespace) -> None:
+    """One model per backend and mode, built for the longest length and stepped at each length in turn: a
+    compiled forward compiles once (graphs records a CUDA graph per length), as in a run's training."""
     import torch
 
     from posbench import draws
@@ -90,28 +94,35 @@ def child(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
+    token_counts = sorted(map(int, args.tokens.split(",")))
     for backend in args.backends.split(","):
         for mode in args.modes.split(","):
-            for tokens in map(int, args.tokens.split(",")):
-                row = {"encoding": args.encoding, "backend": backend, "mode": mode, "tokens": tokens,
-                       "auto": backend == "auto"}
+            rows = [{"encoding": args.encoding, "backend": backend, "mode": mode, "tokens": tokens,
+                     "auto": backend == "auto"} for tokens in token_counts]
+            try:
                 if time.time() > args.deadline:
-                    print(RESULT_MARK + json.dumps(row | {"status": "not measured: budget"}), flush=True)
-                    continue
-                length = sequence_task_length(tokens)
+                    raise TimeoutError
+                compile_mode = MODES[mode]
+                cfg = compose_cfg([f"encoding={args.encoding}", f"backend={backend}", "model=small",
+                                   f"train.length={sequence_task_length(token_counts[-1])}", f"device={args.device}",
+                                   f"train.compile={str(compile_mode).lower()}"])
+                built = build(cfg, device)
+                model, task = built.model.train(), built.task
+                optimizer = make_optimizer(model, cfg.train)
+                forward = compiled(model, compile_mode, device, flex=built.backend == "flex")
+                generator = draws.generator(0)
+            except Exception as err:  # a backend that refuses the encoding, or no budget left: every length
+                for row in rows:
+                    print(RESULT_MARK + json.dumps(row | {"status": failure(err)}), flush=True)
+                continue
+            for row in rows:
+                length = sequence_task_length(row["tokens"])
+                seq = task.sequence_length(length)
+                batch_size = max(1, args.tokens_per_step // seq)
+                row |= {"backend": built.backend, "tokens": seq, "batch_size": batch_size}
                 try:
-                    compile_mode = MODES[mode]
-                    cfg = compose_cfg([f"encoding={args.encoding}", f"backend={backend}", "model=small",
-                                       f"train.length={length}", f"device={args.device}",
-                                       f"train.compile={str(compile_mode).lower()}"])
-                    built = build(cfg, device)
-                    model, task = built.model, built.task
-                    seq = task.sequence_length(length)
-                    batch_size = max(1, args.tokens_per_step // seq)
-                    model.train()
-                    optimizer = make_optimizer(model, cfg.train)
-                    forward = compiled(model, compile_mode, device)
-                    generator = draws.generator(0)
+                    if time.time() > args.deadline:
+                        raise TimeoutError
                     seconds = []
                     for step in range(WARMUP_STEPS + TIMED_STEPS):
                         batch = draws.to_device(task.sample(batch_size, length, generator), device)
@@ -123,15 +134,20 @@ def child(args: argparse.Namespace) -> None:
                         sync(device)
                         if step >= WARMUP_STEPS:
                             seconds.append(time.perf_counter() - start)
-                    row |= {"backend": built.backend, "tokens": seq, "batch_size": batch_size, "status": "ok",
-                            "tokens_per_s": batch_size * seq / statistics.median(seconds)}
-                    del model, optimizer, forward, built
-                except Exception as err:  # a backend that refuses the encoding, a compile failure: recorded
-                    message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                    row |= {"status": f"failed: {type(err).__name__}: {message}"[:300]}
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                    row |= {"status": "ok", "tokens_per_s": batch_size * seq / statistics.median(seconds)}
+                except Exception as err:  # a compile failure, memory: recorded
+                    row |= {"status": failure(err)}
                 print(RESULT_MARK + json.dumps(row), flush=True)
+            del model, optimizer, forward, built
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def failure(err: Exception) -> str:
+    if isinstance(err, TimeoutError):
+        return "not measured: budget"
+    message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return f"failed: {type(err).__name__}: {message}"[:300]
 
 
 # ---------------------------------------------------------------- parent: the three parts
@@ -281,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget-s", type=float, default=460.0, help="seconds for all parts together")
     parser.add_argument("--encodings", default="", help="comma-separated; default: every 1-D encoding")
     parser.add_argument("--tokens", default="", help="a subset of 32,256,1024,4096,8192")
-    parser.add_argument("--modes", default="eager,compiled", help=f"of {','.join(MODES)} (train.compile)")
+    parser.add_argument("--modes", default="eager,graphs", help=f"of {','.join(MODES)} (train.compile)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens-per-step", type=int, default=TOKENS_PER_STEP, help="a batch's tokens, about")
