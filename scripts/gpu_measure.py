@@ -32,6 +32,7 @@ import argparse
 import csv
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -208,7 +209,7 @@ def add_ratios(rows: list[dict]) -> None:
         row["vs_nope"] = row["tokens_per_s"] / reference if row["status"] == "ok" and reference else None
 
 
-def measure_default_job(args, out_device: str) -> list[dict]:
+def measure_default_job(args, out_device: str, deadline: float, env: dict) -> list[dict]:
     """The README's default job on this device, timed whole, as it is and with each --job-compile mode."""
     rows = []
     for mode in ["eager", *args.job_compile]:
@@ -216,8 +217,12 @@ def measure_default_job(args, out_device: str) -> list[dict]:
             start = time.perf_counter()
             command = [sys.executable, "-m", "posbench", "encoding=rope", "task=copy", f"device={args.device}",
                        f"train.compile={str(MODES[mode]).lower()}", f"hydra.run.dir={folder}", *args.job_overrides]
-            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                                  env={**os.environ, "WANDB_MODE": "disabled"})
+            try:
+                done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env,
+                                      timeout=max(10.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                rows.append({"device": out_device, "compile": mode, "status": "not measured: budget"})
+                continue
             wall = time.perf_counter() - start
             if done.returncode:
                 rows.append({"device": out_device, "compile": mode,
@@ -232,24 +237,43 @@ def measure_default_job(args, out_device: str) -> list[dict]:
     return rows
 
 
-def measure_sweep(args, deadline: float) -> list[dict]:
-    """The frontier study's copy runs of seed 0 through the sweep launcher: its wall time, extrapolated."""
+def measure_sweep(args, deadline: float, env: dict) -> list[dict]:
+    """The frontier study's copy runs of seed 0 through the sweep launcher: its wall time, extrapolated. A sweep
+    the budget cuts short is stopped (its whole process group) and its finished runs counted, said in `note`."""
+    concurrent = next((line.split("=", 1)[1] for line in args.sweep_launcher if "n_jobs=" in line), "launcher default")
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()
         command = [sys.executable, "-m", "posbench", "-m", "experiment=frontier", "seed=0", "frontier_task=copy",
                    f"device={args.device}", f"hydra.sweep.dir={folder}", *args.sweep_launcher, *args.sweep_overrides]
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                              timeout=max(30.0, deadline - time.time()), env={**os.environ, "WANDB_MODE": "disabled"})
+        sweep = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env=env, start_new_session=True)
+        try:
+            _, stderr = sweep.communicate(timeout=max(30.0, deadline - time.time()))
+            cut = False
+        except subprocess.TimeoutExpired:
+            os.killpg(sweep.pid, signal.SIGKILL)
+            _, stderr = sweep.communicate()
+            cut = True
         wall_min = (time.perf_counter() - start) / 60
-        if done.returncode:
-            raise RuntimeError(f"the sweep failed: {done.stderr[-2000:]}")
-        runs = len(list(Path(folder).rglob("results.jsonl")))
-        concurrent = next((line.split("=", 1)[1] for line in args.sweep_launcher if "n_jobs=" in line),
-                          "launcher default")
+        if sweep.returncode and not cut:
+            raise RuntimeError(f"the sweep failed: {stderr[-2000:]}")
+        runs = sum(json.loads(path.read_text()).get("state") == "ok" for path in Path(folder).rglob("status.json"))
+    how = (f"cut by the budget at {wall_min:.1f} min with {runs} runs finished (the others were under way)" if cut
+           else f"measured: seed 0's {runs} copy runs")
     return [{"runs": runs, "wall_min": round(wall_min, 3), "runs_per_hour": round(60 * runs / wall_min, 1),
-             "concurrent": concurrent, "extrapolated_study_min": round(wall_min * STUDY_COPY_PARTS, 1),
-             "note": f"measured: seed 0's {runs} copy runs; the study's {STUDY_RUNS} runs extrapolated by the CPU's "
-                     f"per-task cost against copy (x{STUDY_COPY_PARTS:.1f})"}]
+             "concurrent": concurrent, "extrapolated_study_min": round(STUDY_RUNS * wall_min / runs, 1) if cut and runs
+             else round(wall_min * STUDY_COPY_PARTS, 1) if runs else None,
+             "note": f"{how}; the study's {STUDY_RUNS} runs extrapolated "
+                     + ("at this rate, roughly (copy runs are the study's cheapest; runs under way not counted)" if cut else
+                        f"by the CPU's per-task cost against copy (x{STUDY_COPY_PARTS:.1f})")}]
+
+
+def run_env(folder: Path) -> dict:
+    """The runs' environment: wandb off, and auto by the crossover table this call measured, where it did."""
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    if (folder / "encodings.csv").exists():
+        env["POSBENCH_CROSSOVER"] = str(folder / "encodings.csv")
+    return env
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -276,16 +300,17 @@ def parent(args: argparse.Namespace) -> None:
     deadline = began + args.budget_s
     device = resolve_device(args.device)
     folder = Path(args.out) / device_slug(device_name(device))
-    shares = {"encodings": 0.55, "default_job": 0.15, "sweep": 0.3}  # of the budget, in the order of --parts
+    shares = {"encodings": 0.5, "default_job": 0.2, "sweep": 0.3}  # of the budget, in the order of --parts
     for part in args.parts:
         part_deadline = min(deadline, time.time() + shares[part] * args.budget_s)
         if part == "encodings":
             write_csv(folder / "encodings.csv", ENCODING_FIELDS, measure_encodings(args, part_deadline))
         elif part == "default_job":
-            write_csv(folder / "default_job.csv", DEFAULT_JOB_FIELDS, measure_default_job(args, device_name(device)))
+            write_csv(folder / "default_job.csv", DEFAULT_JOB_FIELDS,
+                      measure_default_job(args, device_name(device), part_deadline, run_env(folder)))
         else:  # one row per concurrency: a later call at another one adds its row
             path = folder / "sweep.csv"
-            rows = measure_sweep(args, part_deadline)
+            rows = measure_sweep(args, part_deadline, run_env(folder))
             kept = [r for r in read_csv(path) if r["concurrent"] != str(rows[0]["concurrent"])]
             write_csv(path, SWEEP_FIELDS, kept + rows)
     print(f"done in {time.time() - began:.0f} s: {folder}", file=sys.stderr)
