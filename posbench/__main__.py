@@ -20,8 +20,11 @@ def main(cfg: DictConfig) -> None:
     except Refused as err:  # a bad setting: its message, without a traceback of posbench's insides
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise err.original
-        job = HydraConfig.get().job.override_dirname if HydraConfig.get().mode == RunMode.MULTIRUN else ""
+        sweep = HydraConfig.get().mode == RunMode.MULTIRUN
+        job = HydraConfig.get().job.override_dirname if sweep else ""
         print(f"refused{f' ({job})' if job else ''}: {err}", file=sys.stderr)
+        if sweep:  # the point's status.json records the refusal (the report lists it); the sweep goes on
+            return
         sys.exit(1)
 
 

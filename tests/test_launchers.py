@@ -1,5 +1,6 @@
 """Launcher configs compose as a --multirun composes them; a real joblib sweep and its report;
 the synthetic suite names every encoding and synthetic task."""
+import json
 import os
 import subprocess
 import sys
@@ -170,3 +171,15 @@ def test_scale_study_sweeps_six_encodings_three_tasks_three_sizes_three_seeds():
         job = multirun_config("experiment=scale_study", f"study_task={study_task}", "model=medium")
         assert job.task._target_ == f"tasks.{target}.{target.capitalize()}" and job.task.get("variant") == variant
         assert job.model.d_model == 128 and job.train.length == 16 and job.threads == 1
+
+
+@pytest.mark.parametrize("launcher", [[], ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]])
+def test_a_refused_point_is_recorded_and_the_sweep_goes_on(launcher, tmp_path):
+    result = posbench("-m", "debug=smoke", "train.grad_clip=-1,1", *launcher, f"hydra.sweep.dir={tmp_path}")
+    assert "refused (debug=smoke,train.grad_clip=-1): train.grad_clip=-1: must be > 0" in result.stderr
+    statuses = {path.parent.name: json.loads(path.read_text()) for path in tmp_path.rglob("status.json")}
+    assert len(statuses) == 2, statuses
+    (refused,) = [s for s in statuses.values() if s["state"] == "failed"]
+    assert refused["phase"] == "build" and "train.grad_clip" in refused["error"]
+    assert [s["state"] for s in statuses.values()].count("ok") == 1
+    assert len(list(tmp_path.rglob("results.jsonl"))) == 1
