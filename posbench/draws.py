@@ -28,6 +28,21 @@ def to_device(batch, device: torch.device):
     return dataclasses.replace(batch, **moved)
 
 
+def row_blocks(batch, rows: int) -> list:
+    """The batch in blocks of at most `rows` sequences (its tensors split along the batch dimension): a
+    batch drawn whole and evaluated in smaller forwards, so the sequences drawn do not depend on them."""
+    total = batch.inputs.shape[0]
+    if total <= rows:
+        return [batch]
+    blocks = []
+    for start in range(0, total, rows):
+        split = {field.name: getattr(batch, field.name)[start:start + rows] for field in dataclasses.fields(batch)
+                 if isinstance(getattr(batch, field.name), torch.Tensor) and getattr(batch, field.name).dim()
+                 and getattr(batch, field.name).shape[0] == total}
+        blocks.append(dataclasses.replace(batch, **split))
+    return blocks
+
+
 def move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """One drawn tensor to `device`; through pinned memory to CUDA, so the copy overlaps the step."""
     if device.type == "cuda" and tensor.device.type == "cpu":

@@ -20,9 +20,12 @@ UNMEASURED = {**dict.fromkeys(ROW_METRICS), "eval_tokens_per_s": None, "peak_mem
 
 @torch.no_grad()
 def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.device, precision: str = "fp32",
-             stop: StopSignals | None = None, train_digest: str | None = "") -> dict:
+             stop: StopSignals | None = None, train_digest: str | None = "", draw_batch: int | None = None) -> dict:
     """Metrics over cfg_eval.samples fresh sequences at one length, and tokens/s past the first batch;
     data_fingerprint joins `train_digest` (what the model trained on) with the sequences evaluated here.
+    Batches are drawn `draw_batch` sequences at a time (eval.batch_size, but where the guard found its data
+    too large) and evaluated cfg_eval.batch_size at a time (the memory guard's, maybe fewer), so a smaller
+    evaluation batch alone never changes which sequences are drawn.
     Data-parallel: every rank draws every batch and evaluates its own rows of it; the sums, tokens and
     seconds of the ranks are combined, so the metrics are the one-process metrics."""
     model, task = built.model, built.task
@@ -38,7 +41,9 @@ def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.devi
     fingerprint = draws.DataFingerprint()
     totals: dict[str, float] = {}
     timed_tokens, timed_seconds, first, held, drawn = 0, 0.0, None, None, False
-    batches = task.eval_batches(length, int(cfg_eval.samples), int(cfg_eval.batch_size), gen)
+    forward_rows = int(cfg_eval.batch_size)
+    draw_rows = max(forward_rows, int(draw_batch or forward_rows))
+    batches = task.eval_batches(length, int(cfg_eval.samples), draw_rows, gen)
     vote = distributed.StopVote(stop)
     while True:
         vote.check()
@@ -55,21 +60,21 @@ def evaluate(built: Built, length: int, cfg_eval: DictConfig, device: torch.devi
         positions = None if positions is None else draws.move(positions, device)
         if not batch.inputs.shape[0]:  # fewer rows than ranks: this rank has none of them
             continue
-        with autocast(device, precision):
-            if batch.memory_length:  # segment recurrence (wikitext task.memory)
-                logits, held = model.forward_recurrent(batch.inputs, None if batch.new_stream else held,
-                                                       batch.memory_length)  # [B, T, V]
-            else:
-                logits = model(batch.inputs, positions)  # [B, T, V]
-        sums = task.batch_sums(logits.float(), batch)
+        for block in draws.row_blocks(batch, forward_rows):
+            with autocast(device, precision):
+                if block.memory_length:  # segment recurrence (wikitext task.memory)
+                    logits, held = model.forward_recurrent(block.inputs, None if block.new_stream else held,
+                                                           block.memory_length)  # [B, T, V]
+                else:
+                    logits = model(block.inputs, positions)  # [B, T, V]
+            for key, value in task.batch_sums(logits.float(), block).items():
+                totals[key] = totals.get(key, 0.0) + float(value)
         sync(device)
         if first is None:  # the first batch is warm-up; kept only if it is the only one
             first = (batch.inputs.numel(), time.perf_counter() - start)
         else:
             timed_tokens += batch.inputs.numel()
             timed_seconds += time.perf_counter() - start
-        for key, value in sums.items():
-            totals[key] = totals.get(key, 0.0) + float(value)
     vote.finish()
     if not drawn:
         raise ValueError(f"{task.name}: no evaluation batches at length {length}")

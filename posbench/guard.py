@@ -157,11 +157,13 @@ def data_bytes_per_token(task) -> float:
     return float(getattr(task, "data_bytes_per_token", None) or DATA_BYTES.get(task.name, DATA_BYTES_PER_TOKEN))
 
 
-def estimate(cfg: DictConfig, built, length: int, batch: int | None = None, chunk_setting="unset") -> Estimate:
+def estimate(cfg: DictConfig, built, length: int, batch: int | None = None, chunk_setting="unset",
+             whole_draw: bool = True) -> Estimate:
     """What evaluating one batch of `batch` sequences (default: eval.batch_size, at most eval.samples) at
     task length `length` allocates beyond the built model, in bytes by part (see the module's docstring).
     The forward's peak is the largest of three phases, not their sum: attention (the layer's [B, T, D]
-    tensors and its chunk), the feed-forward, the head with the metrics."""
+    tensors and its chunk), the feed-forward, the head with the metrics. `whole_draw`: the data are drawn
+    eval.batch_size sequences at a time however few are evaluated at once (posbench.evaluation)."""
     mcfg = built.model.cfg
     task = built.task
     if batch is None:
@@ -175,7 +177,10 @@ def estimate(cfg: DictConfig, built, length: int, batch: int | None = None, chun
     if getattr(built.positions, "scheme", "sequential") == "randomized":
         position_bytes += 24.0 * built.positions.max_position  # randperm over max_position, sorted
     position_bytes += keys * d_model * FLOAT  # a position table or rotation the encoding builds per forward
-    data = batch * tokens * data_bytes_per_token(task) + position_bytes
+    drawn = batch
+    if whole_draw and not getattr(task, "memory", 0):
+        drawn = max(batch, min(int(cfg.eval.batch_size), int(cfg.eval.samples)))
+    data = drawn * tokens * data_bytes_per_token(task) + position_bytes
     row = float(batch) * tokens * d_model * FLOAT  # one [B, T, D] tensor
     attention, chunk = 0.0, None
     for window in sorted({mcfg.layer_window(layer) for layer in range(mcfg.n_layers)},
@@ -284,6 +289,7 @@ class GuardResult:
     messages to print, the estimates and the limit they were compared with."""
     batch_sizes: dict[int, int]
     messages: list[str] = field(default_factory=list)
+    draw_sizes: dict[int, int] = field(default_factory=dict)  # lengths whose data cannot be drawn whole
     estimates: dict[int, Estimate] = field(default_factory=dict)
     limit: Limit | None = None
 
@@ -303,17 +309,22 @@ class GuardResult:
             copy.batch_size = batch
         return copy
 
+    def draw_batch(self, cfg_eval: DictConfig, length: int) -> int:
+        """The sequences drawn at a time at this length: eval.batch_size, unless its data would not fit."""
+        return self.draw_sizes.get(length, int(cfg_eval.batch_size))
 
-def largest_batch(cfg: DictConfig, built, length: int, limit: float, most: int) -> tuple[int, Estimate]:
+
+def largest_batch(cfg: DictConfig, built, length: int, limit: float, most: int,
+                  whole_draw: bool = True) -> tuple[int, Estimate]:
     """The largest batch in 1..most whose estimate fits `limit` (0 when not even one sequence does), with
     its estimate (at batch 1 when none fits). The estimate grows with the batch: bisect."""
-    low_est = estimate(cfg, built, length, 1)
+    low_est = estimate(cfg, built, length, 1, whole_draw=whole_draw)
     if low_est.total > limit:
         return 0, low_est
     low, high, best = 1, most, low_est
     while low < high:
         middle = (low + high + 1) // 2
-        trial = estimate(cfg, built, length, middle)
+        trial = estimate(cfg, built, length, middle, whole_draw=whole_draw)
         if trial.total <= limit:
             low, best = middle, trial
         else:
@@ -341,19 +352,25 @@ def check_run(cfg: DictConfig, built, device: torch.device | str = "cpu") -> Gua
         if limit.bytes is None or full.total <= limit.bytes:
             continue
         fitting, est = largest_batch(cfg, built, length, limit.bytes, batch)
+        whole = bool(fitting) and not getattr(built.task, "memory", 0)  # segment recurrence: a stream per row
+        if not fitting:  # not even the data of eval.batch_size sequences: drawn as few at a time as evaluated
+            fitting, est = largest_batch(cfg, built, length, limit.bytes, batch, whole_draw=False)
+        if fitting and not whole:
+            result.draw_sizes[length] = fitting
         if fitting:
             result.batch_sizes[length], result.estimates[length] = fitting, est
+            drawn = (f"from batches drawn {cfg.eval.batch_size} at a time as configured: the same sequences" if whole
+                     else f"drawn {fitting} at a time: other sequences than eval.batch_size={cfg.eval.batch_size} "
+                          "draws, so the run's config_hash records it (eval.drawn_batch_size)")
             result.messages.append(
                 f"length {length} ({shape(built.task, length, est.tokens)}): eval.batch_size={cfg.eval.batch_size} "
                 f"would need {full.describe()}, over the limit {limit}; evaluating it {fitting} sequence"
-                f"{'s' if fitting > 1 else ''} at a time instead (about {gib(est.total)}). Tasks that draw each "
-                "batch as a whole (stack_manipulation, passkey, ...) then draw other sequences than at "
-                f"eval.batch_size={cfg.eval.batch_size}")
+                f"{'s' if fitting > 1 else ''} at a time instead (about {gib(est.total)}), {drawn}")
             continue
         hint = ""
         chunk = eval_chunk(cfg.eval.chunk)
         if chunk != "auto":
-            auto = estimate(cfg, built, length, 1, "auto")
+            auto = estimate(cfg, built, length, 1, "auto", whole_draw=False)
             if auto.total <= limit.bytes:
                 hint = f"; eval.chunk=auto would fit it ({gib(auto.total)} at eval.batch_size=1)"
         refused.append((length, est, hint))

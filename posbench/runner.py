@@ -260,7 +260,8 @@ def run_built(cfg: DictConfig, built: Built, device: torch.device, run_dir: Path
                 cfg_eval = built.guard.eval_config(cfg.eval, length)
                 with translate_oom(length, int(cfg_eval.batch_size)):
                     row |= {"status": "ok", **evaluate(built, length, cfg_eval, device, cfg.train.precision, stop,
-                                                         trained.data_digest)}
+                                                         trained.data_digest,
+                                                         built.guard.draw_batch(cfg.eval, length))}
             except Exception as err:
                 write_failed_rows(writer, [row | failed_fields(err)])
                 raise
@@ -292,6 +293,8 @@ def run_info(cfg: DictConfig, built: Built, device: torch.device, run_id: str, r
         init = {"config_hash": config_hash(group_config(built.init_config)), "seed": built.init_config.get("seed"),
                 "steps": built.init_steps}
     config = group_config(resolved, init)
+    if built.guard is not None and built.guard.draw_sizes:  # other sequences than eval.batch_size draws
+        config = {**config, "eval": {**config["eval"], "drawn_batch_size": dict(sorted(built.guard.draw_sizes.items()))}}
     return RunInfo(
         run_id=run_id, config_hash=config_hash(config),
         run_name=cfg.run_name or f"{built.encoding.name}-{built.task.name}-N{built.train_length}-s{cfg.seed}",

@@ -2,6 +2,7 @@
 and fingerprinted so that two runs can be checked to have trained and evaluated on the same sequences."""
 from pathlib import Path
 
+import pytest
 import torch
 
 from posbench import draws
@@ -70,3 +71,39 @@ def test_no_generator_is_made_outside_draws():
               if path.name != "draws.py"
               for number, line in enumerate(path.read_text().splitlines(), 1) if "torch.Generator(" in line]
     assert not makers, f"generators made outside posbench/draws.py: {makers}"
+
+
+def test_a_guarded_evaluation_batch_draws_the_configured_runs_sequences(tmp_path):
+    """The guard's smaller evaluation batch (eval.memory_limit) evaluates the sequences the configured batch
+    draws: stack manipulation draws each batch whole, so before, its sequences (and scores) changed."""
+    common = ["debug=smoke", "device=cpu", "task=stack_manipulation", "eval.lengths=[2000]", "train.steps=5",
+              "eval.samples=32", "eval.batch_size=16"]
+    posbench(*common, f"hydra.run.dir={tmp_path / 'whole'}")
+    guarded = posbench(*common, "eval.memory_limit=40", f"hydra.run.dir={tmp_path / 'guarded'}")
+    assert "3 sequences at a time instead" in guarded.stderr and "the same sequences" in guarded.stderr
+    whole, parts = read_rows(tmp_path / "whole")[0], read_rows(tmp_path / "guarded")[0]
+    assert parts["data_fingerprint"] == whole["data_fingerprint"]
+    assert parts["loss"] == pytest.approx(whole["loss"], rel=1e-5)
+    assert parts["token_acc"] == pytest.approx(whole["token_acc"], rel=1e-6)
+
+
+def test_row_blocks_split_every_batch_field_and_keep_the_rest():
+    b = batch(0, length=5)
+    blocks = draws.row_blocks(b, 1)
+    assert len(blocks) == 2 and all(block.inputs.shape == (1, 5) for block in blocks)
+    assert torch.equal(torch.cat([block.targets for block in blocks]), b.targets)
+    assert draws.row_blocks(b, 2) == [b]
+
+
+def test_data_too_large_to_draw_whole_are_drawn_fewer_at_a_time_and_the_group_splits(tmp_path):
+    """Where even eval.batch_size sequences' data would not fit, they are drawn as few at a time as are
+    evaluated: other sequences, so config_hash records it (eval.drawn_batch_size) and the group splits."""
+    common = ["debug=smoke", "device=cpu", "task=stack_manipulation", "eval.lengths=[2000]", "train.steps=5",
+              "eval.samples=32", "eval.batch_size=16"]
+    posbench(*common, f"hydra.run.dir={tmp_path / 'whole'}")
+    guarded = posbench(*common, "eval.memory_limit=25", f"hydra.run.dir={tmp_path / 'guarded'}")
+    assert "other sequences than eval.batch_size=16 draws" in guarded.stderr
+    whole, parts = read_rows(tmp_path / "whole")[0], read_rows(tmp_path / "guarded")[0]
+    drawn = parts["config"]["eval"]["drawn_batch_size"]  # length -> sequences drawn at a time (JSON: text keys)
+    assert list(drawn) == ["2000"] and 1 <= drawn["2000"] < 16
+    assert parts["config_hash"] != whole["config_hash"] and parts["data_fingerprint"] != whole["data_fingerprint"]
