@@ -74,6 +74,8 @@ def group_config(config: dict, init_from: dict | None = None) -> dict:
         node, leaf = parent_of(kept, key)
         if node is not None and leaf in node and node[leaf] == earlier:
             del node[leaf]
+    if "device" in kept:  # where a run ran is not what it measured (its data are drawn on the CPU: posbench.draws);
+        kept["device"] = "auto"  # hashed as auto, the value of every run from before this
     if init_from:
         kept["init_from"] = init_from
     return kept

@@ -4,10 +4,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from posbench import draws
+from posbench.runinfo import config_hash, group_config
 from tasks.base import Batch
-from tests.helpers import posbench, read_rows
+from tests.helpers import compose_cfg, posbench, read_rows
 
 
 def batch(seed: int, length: int = 6) -> Batch:
@@ -107,3 +109,11 @@ def test_data_too_large_to_draw_whole_are_drawn_fewer_at_a_time_and_the_group_sp
     drawn = parts["config"]["eval"]["drawn_batch_size"]  # length -> sequences drawn at a time (JSON: text keys)
     assert list(drawn) == ["2000"] and 1 <= drawn["2000"] < 16
     assert parts["config_hash"] != whole["config_hash"] and parts["data_fingerprint"] != whole["data_fingerprint"]
+
+
+def test_the_device_setting_does_not_split_a_group():
+    """device=cpu, cuda or auto run the same experiment (the data are drawn on the CPU): one config_hash, the
+    one every committed run (device=auto) has."""
+    hashes = {config_hash(group_config(OmegaConf.to_container(compose_cfg(f"device={device}"), resolve=True)))
+              for device in ("auto", "cpu", "cuda", "cuda:1")}
+    assert len(hashes) == 1
