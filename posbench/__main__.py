@@ -16,6 +16,9 @@ from posbench.runner import Refused, run
 @hydra.main(version_base="1.3", config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
+        if HydraConfig.get().mode == RunMode.RUN and not str(HydraConfig.get().run.dir).strip():
+            raise Refused(ValueError("hydra.run.dir='' would write the run into the current directory; give the "
+                                     "run a directory of its own (or leave hydra.run.dir out: results/runs/...)"))
         run(cfg, HydraConfig.get().runtime.output_dir)
     except Refused as err:  # a bad setting: its message, without a traceback of posbench's insides
         if os.environ.get("HYDRA_FULL_ERROR") == "1":

@@ -30,6 +30,7 @@ from posbench.results import ROW_FILE, RowWriter, plot_run
 from posbench.rundir import (
     CHECKPOINT_FILE,
     FINAL_STATES,
+    LOCK_FILE,
     RunLock,
     Status,
     StopRequest,
@@ -76,6 +77,12 @@ def claim(run_dir: Path, identity: str, resume_setting) -> dict | None:
             raise ValueError(f"{run_dir} holds this run already ({describe(status)}); train.resume=false refuses "
                              "to continue it: choose another hydra.run.dir, or train.resume=auto to continue it")
         return status
+    if status is None:  # a run writes only into an empty directory or its own
+        foreign = sorted(path.name for path in run_dir.iterdir() if path.name != LOCK_FILE)
+        if foreign and not holds:
+            shown_names = ", ".join(foreign[:6]) + (f" and {len(foreign) - 6} more" if len(foreign) > 6 else "")
+            raise ValueError(f"hydra.run.dir={run_dir} holds files that are not a posbench run's ({shown_names}); "
+                             "a run writes only into an empty directory or its own: choose another hydra.run.dir")
     if holds:
         owner = f"run {status.get('run_name')} (identity {status.get('identity')})" if status else "another run"
         raise ValueError(f"{run_dir} holds {', '.join(holds)} of {owner}, not of this configuration (identity "

@@ -18,7 +18,7 @@ from posbench.rundir import read_status
 from posbench.sweeps import sweep_progress
 from tasks import text_data
 from tasks.text_data import DataUnavailableError, hub_rows
-from tests.helpers import compose_cfg, write_wikitext_release
+from tests.helpers import compose_cfg, posbench, write_wikitext_release
 from tests.test_report import write_run
 from tests.test_report_robust import add_status
 
@@ -194,3 +194,17 @@ def test_a_config_yaml_whose_train_is_not_a_mapping_is_skipped_and_named(config,
     import pandas as pd
 
     assert pd.read_csv(out / "results.csv")["steps"].tolist() == [13] * 4
+
+
+def test_a_run_writes_only_into_an_empty_directory_or_its_own(tmp_path):
+    """A directory holding files of no posbench run is refused, naming them, and left as it was; '' (the
+    current directory) is refused; the run's own directory resumes (tests/test_fault_injection.py)."""
+    (tmp_path / "u").mkdir()
+    (tmp_path / "u" / "config.yaml").write_text("mine\n")
+    result = posbench("debug=smoke", f"hydra.run.dir={tmp_path / 'u'}", check=False)
+    assert result.returncode == 1
+    assert f"hydra.run.dir={tmp_path / 'u'} holds files that are not a posbench run's (config.yaml)" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "u").iterdir()) == ["config.yaml"]
+    assert (tmp_path / "u" / "config.yaml").read_text() == "mine\n"
+    result = posbench("debug=smoke", "hydra.run.dir=''", check=False)
+    assert result.returncode == 1 and "hydra.run.dir='' would write the run into the current directory" in result.stderr
