@@ -15,10 +15,9 @@ import yaml
 from posbench.headline import HEADLINE_METRICS, LEARNED_AT_N
 from posbench.memory import PER_STRETCH_KINDS
 from posbench.metrics import LABELS, PRIMARY_METRICS, ROW_METRICS
-from posbench.rundir import STATUS_FILE, atomic_write, describe
+from posbench.rundir import ROW_FILE, STATUS_FILE, atomic_write, describe, read_regular
 from posbench.runinfo import RUN_KEYS
 
-ROW_FILE = "results.jsonl"
 METRICS = ROW_METRICS  # every row carries these (posbench.metrics declares every metric and its label)
 METRIC_LABELS = LABELS
 PLOT_METRICS = PRIMARY_METRICS  # a run's curve shows the first two it has
@@ -48,7 +47,7 @@ def read_lines(path: Path) -> list[dict | bytes]:
     bytes where it is not one (torn by a kill, not UTF-8, not JSON, not a row), each of those warned
     with file:line. Blank lines carry nothing and are left out."""
     lines: list[dict | bytes] = []
-    for line_no, line, row, reason in json_lines(Path(path).read_bytes()):
+    for line_no, line, row, reason in json_lines(read_regular(Path(path))):
         if reason is None:
             if isinstance(row, dict) and "run_id" in row:
                 lines.append(row)
@@ -169,7 +168,7 @@ def read_yaml(file: Path) -> tuple[object, int | None, str | None]:
     """The YAML document in file, or None with the line and the reason it cannot be read (unreadable,
     not UTF-8, not YAML). A missing file raises FileNotFoundError (a directory, IsADirectoryError)."""
     try:
-        data = file.read_bytes()
+        data = read_regular(file)
     except (FileNotFoundError, IsADirectoryError):
         raise
     except OSError as err:
@@ -187,7 +186,7 @@ def read_row_file(file: Path) -> tuple[list[dict], list[Skipped]]:
     """The rows of one results.jsonl, each with its source (the run directory), and the lines
     skipped: not UTF-8, not JSON (a torn or truncated line) or not a row (row_problem)."""
     try:
-        data = file.read_bytes()
+        data = read_regular(file)
     except OSError as err:
         return [], [Skipped(file, None, f"unreadable: {err.strerror or err}", whole_file=True)]
     rows, skipped = [], []
@@ -208,7 +207,7 @@ def read_status_file(file: Path) -> tuple[dict | None, Skipped | None]:
     """A status.json's record, or None and why it cannot be used (unreadable, not UTF-8, not JSON,
     not an object with a state)."""
     try:
-        data = file.read_bytes()
+        data = read_regular(file)
         record = json.loads(data.decode())
     except OSError as err:
         where, reason = None, f"unreadable: {err.strerror or err}"

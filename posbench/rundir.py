@@ -10,11 +10,13 @@ exception: a failure on a disk too full for a temporary file overwrites status.j
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import threading
@@ -24,6 +26,7 @@ from pathlib import Path
 
 STATUS_FILE = "status.json"
 CHECKPOINT_FILE = "checkpoint.pt"
+ROW_FILE = "results.jsonl"  # the rows (posbench.results)
 LOCK_FILE = "run.lock"
 FINAL_STATES = ("ok", "diverged")  # a run in one of these has nothing left to do
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR2")  # SIGUSR2: submitit's preemption and timeout signal
@@ -101,9 +104,27 @@ def load_error_text(err: BaseException, limit: int = 240) -> str:
     return f"{type(err).__name__}: {text[:limit] + '...' if len(text) > limit else text}"
 
 
+def read_regular(path: Path) -> bytes:
+    """A file's bytes; a FIFO, socket or device is refused as unreadable (reading one would block or never
+    end), a directory as IsADirectoryError, a missing file as FileNotFoundError."""
+    mode = os.stat(path).st_mode
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "a directory", str(path))
+    if not stat.S_ISREG(mode):
+        raise OSError(errno.EINVAL, "not a regular file (a FIFO, a socket or a device)", str(path))
+    return Path(path).read_bytes()
+
+
+def foreign_entries(run_dir: Path) -> list[str]:
+    """posbench's own files in a run directory that are not regular files (a directory named status.json,
+    a FIFO named results.jsonl, ...): reading or replacing them would fail or hang."""
+    return [name for name in (LOCK_FILE, STATUS_FILE, ROW_FILE, CHECKPOINT_FILE)
+            if (run_dir / name).exists() and not (run_dir / name).is_file()]
+
+
 def read_status(run_dir: Path) -> dict | None:
     try:
-        record = json.loads((Path(run_dir) / STATUS_FILE).read_text())
+        record = json.loads(read_regular(Path(run_dir) / STATUS_FILE).decode())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as err:  # ValueError: not JSON, not UTF-8

@@ -37,6 +37,7 @@ from posbench.rundir import (
     StopSignals,
     atomic_write,
     describe,
+    foreign_entries,
     load_checkpoint,
     read_status,
 )
@@ -114,6 +115,10 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
     with ExitStack() as held:
         def claim_directory() -> tuple[dict | None, str]:
             run_dir.mkdir(parents=True, exist_ok=True)
+            odd = foreign_entries(run_dir)
+            if odd:
+                raise ValueError(f"{run_dir} holds {', '.join(odd)} but not as a regular file (a directory, a FIFO, "
+                                 "...), where posbench keeps its own files: remove it or choose another hydra.run.dir")
             lock = held.enter_context(RunLock(run_dir))
             if lock.stale:
                 print(f"taking over {lock.path} from process {lock.stale.get('pid')} on {lock.stale.get('host')} "

@@ -3,6 +3,7 @@ the hub offline, torn lines on resume, a binary multirun.yaml and a config.yaml 
 Each gets one message that names the file or the setting, before training where there is training.
 Nothing here touches the network: the hub and the connection probe are stood in for."""
 import json
+import os
 import random
 import socket
 
@@ -208,3 +209,18 @@ def test_a_run_writes_only_into_an_empty_directory_or_its_own(tmp_path):
     assert (tmp_path / "u" / "config.yaml").read_text() == "mine\n"
     result = posbench("debug=smoke", "hydra.run.dir=''", check=False)
     assert result.returncode == 1 and "hydra.run.dir='' would write the run into the current directory" in result.stderr
+
+
+@pytest.mark.parametrize("name,make", [("results.jsonl", os.mkfifo), ("status.json", os.mkdir), ("run.lock", os.mkdir)])
+def test_posbench_files_that_are_not_regular_files_are_refused_not_hung_on(name, make, tmp_path):
+    """A FIFO named results.jsonl (reading it would block for ever) or a directory named status.json or
+    run.lock: the run is refused naming it, and the report skips such a file with its reason."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    make(run_dir / name)
+    result = posbench("debug=smoke", f"hydra.run.dir={run_dir}", check=False, timeout=60)
+    assert result.returncode == 1
+    assert f"{run_dir} holds {name} but not as a regular file" in result.stderr
+    if name == "results.jsonl":
+        report = posbench(str(run_dir), module="posbench.report", check=False, timeout=60)
+        assert "results.jsonl: unreadable: not a regular file (a FIFO, a socket or a device)" in report.stderr
