@@ -291,7 +291,11 @@ def local_sweep(path: Path, group: str | None = None) -> Sweep:
         raise FileNotFoundError(f"no {ROW_FILE} under {path}: not a run or sweep directory with results")
     groups, rows_by_task, runs, targets, without = {}, {}, set(), set(), []
     for file in files:
-        rows = [r for r in read_rows(file) if r.get("task") and r.get("encoding")]
+        try:
+            rows = [r for r in read_rows(file) if r.get("task") and r.get("encoding")]
+        except OSError as err:  # a FIFO, a directory or an unreadable file named results.jsonl
+            print(f"skipped {file}: unreadable: {err.strerror or err}", file=sys.stderr)
+            continue
         config = read_yaml(file.parent / "config.yaml")
         logger = config.get("logger") or {}
         if not rows:

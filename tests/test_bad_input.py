@@ -222,5 +222,8 @@ def test_posbench_files_that_are_not_regular_files_are_refused_not_hung_on(name,
     assert result.returncode == 1
     assert f"{run_dir} holds {name} but not as a regular file" in result.stderr
     if name == "results.jsonl":
-        report = posbench(str(run_dir), module="posbench.report", check=False, timeout=60)
-        assert "results.jsonl: unreadable: not a regular file (a FIFO, a socket or a device)" in report.stderr
+        for module in ("posbench.report", "posbench.dashboard"):
+            read = posbench(str(run_dir), *(["--dry-run"] if module == "posbench.dashboard" else []), module=module,
+                            check=False, timeout=60)
+            assert "results.jsonl: unreadable: not a regular file (a FIFO, a socket or a device)" in read.stderr
+            assert "Traceback" not in read.stderr
