@@ -30,10 +30,10 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from posbench.attention.crossover import TABLES, device_slug
+from posbench.sweeps import SLOT_DIR
 
 LAUNCHER = "gpus"  # configs/hydra/launcher/gpus.yaml
 RESULTS = TABLES  # results/gpu/: scripts/gpu_measure.py's --out
-SLOT_DIR = ".gpu_slots"
 POLL_S = 1.0  # while every slot is held: how often to try again
 
 # Provisional: 15 concurrent processes are what filled one H200 by hand with model=small runs

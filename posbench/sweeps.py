@@ -12,6 +12,7 @@ from posbench.rundir import FINAL_STATES
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SWEEP_FILE = "multirun.yaml"  # Hydra writes it to the sweep directory
+SLOT_DIR = ".gpu_slots"  # hydra/launcher=gpus: a lock file per job slot (posbench.gpu_slots)
 
 
 def job_count(multirun: dict) -> int:
@@ -84,8 +85,8 @@ def sweep_progress(sweep: Path, statuses: list[dict], read: tuple | None = None)
         return f"sweep {sweep}: {len(finished)} jobs finished, {running} running; the total is not known ({reason})"
     try:
         parallel = max(1, int(((multirun.get("hydra") or {}).get("launcher") or {}).get("n_jobs") or 1))
-    except (AttributeError, TypeError, ValueError):  # a launcher section of another layout
-        parallel = 1
+    except (AttributeError, TypeError, ValueError):  # ${posbench.gpu_jobs:...}: its slots, or another layout
+        parallel = max(1, len(list((sweep / SLOT_DIR).glob("slot-*.lock"))))
     line = (f"sweep {sweep}: {len(finished)} of {total} jobs finished, {running} running, "
             f"{max(0, total - len(statuses))} not started")
     whole = [seconds(s["updated"]) - seconds(s["started"]) for s in finished

@@ -231,6 +231,14 @@ def test_a_sweeps_progress_counts_its_jobs_and_the_time_left(tmp_path):
     # 3 of 6 finished; median whole run 15 min; 3 left x 15 min / 2 jobs at a time
     assert progress([sweep])[-1] == (f"sweep {sweep}: 3 of 6 jobs finished, 1 running, 2 not started; "
                                      "median run 15 min: about 22 min left at 2 jobs at a time")
+    # hydra/launcher=gpus: n_jobs is the resolver's, decided as the sweep started; its job slots tell
+    node["hydra"]["launcher"]["n_jobs"] = "${posbench.gpu_jobs:auto}"
+    (sweep / "multirun.yaml").write_text(yaml.safe_dump(node))
+    (sweep / ".gpu_slots").mkdir()
+    for slot in range(3):
+        (sweep / ".gpu_slots" / f"slot-{slot}.lock").touch()
+    assert progress([sweep])[-1].endswith("median run 15 min: about 15 min left at 3 jobs at a time")
+    node["hydra"]["launcher"]["n_jobs"] = 2
     node["hydra"]["overrides"]["task"].append("own_group=glob(*)")  # a group only the user's config dir has
     (sweep / "multirun.yaml").write_text(yaml.safe_dump(node))
     assert progress([sweep])[-1] == (f"sweep {sweep}: 3 jobs finished, 1 running; the total is not known "
