@@ -167,8 +167,9 @@ def encoding_plan(names: list[str]) -> list[tuple[str, list[int], str]]:
     return plan
 
 
-def measure_encodings(args, deadline: float) -> list[dict]:
-    """Every mode in turn (eager first: a budget cut short leaves whole modes), every encoding in it."""
+def measure_encodings(args, deadline: float, path: Path) -> list[dict]:
+    """Every mode in turn (eager first: a budget cut short leaves whole modes), every encoding in it; the file
+    is written again after each encoding, so a call stopped from outside keeps what it measured."""
     from posbench.encodings import REGISTRY
 
     known = [name for name, cls in REGISTRY.items() if cls.position_dims == 1]
@@ -184,19 +185,24 @@ def measure_encodings(args, deadline: float) -> list[dict]:
                        "--backends", backends, "--modes", mode, "--tokens", ",".join(map(str, tokens)),
                        "--device", args.device, "--deadline", str(deadline), "--threads", str(args.threads),
                        "--tokens-per-step", str(args.tokens_per_step)]
-            done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
-                                  timeout=max(30.0, deadline - time.time() + 120))
-            found = [json.loads(line[len(RESULT_MARK):]) for line in done.stdout.splitlines()
+            try:  # a child checks the deadline between lengths: a compile past it is stopped here
+                done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
+                                      timeout=max(30.0, deadline - time.time() + 60))
+                stdout, why = done.stdout, f"failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}"[:300]
+            except subprocess.TimeoutExpired as late:
+                stdout, why = late.stdout or "", "not measured: budget"
+                stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
+            found = [json.loads(line[len(RESULT_MARK):]) for line in stdout.splitlines()
                      if line.startswith(RESULT_MARK)]
-            if not found:
-                tail = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-                found = [{"encoding": name, "backend": backend, "mode": mode, "tokens": t, "auto": backend == "auto",
-                          "status": f"failed: {tail}"[:300]} for backend in backends.split(",") for t in tokens]
+            planned = [(backend, t) for backend in backends.split(",") for t in tokens]  # the child's order
+            found += [{"encoding": name, "backend": backend, "mode": mode, "tokens": t, "auto": backend == "auto",
+                       "status": why} for backend, t in planned[len(found):]]
             rows += found
+            add_ratios(rows)
+            write_csv(path, ENCODING_FIELDS, rows)
             ok = sum(r["status"] == "ok" for r in found)
             print(f"encodings ({mode}): {name}: {ok} of {len(found)} measured "
                   f"({deadline - time.time():.0f} s of budget left)", file=sys.stderr, flush=True)
-    add_ratios(rows)
     return rows
 
 
@@ -284,12 +290,15 @@ def read_csv(path: Path) -> list[dict]:
 
 
 def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
+    """The rows, written whole and then renamed into place: a call stopped mid-write leaves the last file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as handle:
+    part = path.with_name(path.name + ".part")
+    with part.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    print(f"wrote {path}", file=sys.stderr)
+    os.replace(part, path)
+
 
 
 def parent(args: argparse.Namespace) -> None:
@@ -304,7 +313,7 @@ def parent(args: argparse.Namespace) -> None:
     for part in args.parts:
         part_deadline = min(deadline, time.time() + shares[part] * args.budget_s)
         if part == "encodings":
-            write_csv(folder / "encodings.csv", ENCODING_FIELDS, measure_encodings(args, part_deadline))
+            measure_encodings(args, part_deadline, folder / "encodings.csv")
         elif part == "default_job":
             write_csv(folder / "default_job.csv", DEFAULT_JOB_FIELDS,
                       measure_default_job(args, device_name(device), part_deadline, run_env(folder)))
