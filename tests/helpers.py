@@ -199,6 +199,16 @@ def random_qk(heads: int, length: int, head_dim: int, dtype=torch.float64, seed:
     return torch.randn(shape, generator=gen, dtype=dtype), torch.randn(shape, generator=gen, dtype=dtype)
 
 
+def assert_close_scaled(got: torch.Tensor, expected: torch.Tensor, rtol: float, atol_scale: float | None = None,
+                        name: str = "") -> None:
+    """assert_close with an absolute tolerance of atol_scale (default rtol) times the largest |expected|
+    (at least 1): float error grows with the values, so a fixed bound on large values fails on other CPUs.
+    A failure names the tensor, its worst element and both values."""
+    scale = float(expected.abs().max().clamp(min=1))
+    torch.testing.assert_close(got, expected, rtol=rtol, atol=(rtol if atol_scale is None else atol_scale) * scale,
+                               msg=(lambda m: f"{name}: {m}") if name else None)
+
+
 def assert_chunks_equal_one_pass(net: Transformer, tokens, pos, chunks, atol: float = 1e-12) -> None:
     """Evaluation in chunks of queries gives the logits of one pass, for every chunk size."""
     reference = net(tokens, pos)

@@ -9,9 +9,9 @@ import torch
 
 from posbench.attention import AttentionCall
 from posbench.build import build
-from tests.helpers import (assert_chunks_equal_one_pass, assert_query_blocks_give_one_pass_gradients,
-                          assert_recurrence_equals_one_pass, compose_cfg, drawn_model, make_encoding,
-                          token_ids)
+from tests.helpers import (assert_chunks_equal_one_pass, assert_close_scaled,
+                          assert_query_blocks_give_one_pass_gradients, assert_recurrence_equals_one_pass, compose_cfg,
+                          drawn_model, make_encoding, token_ids)
 
 D_MODEL, HEADS, LENGTH = 16, 2, 9
 HEAD = D_MODEL // HEADS
@@ -138,9 +138,7 @@ def test_backward_matches_autograd_of_the_formula(causal, window):
         out.backward(upstream)
         results.append([out.detach(), *(t.grad for t in inputs), enc.table.grad[1].clone()])
     for name, got, expected in zip(("value", "logits", "q", "k", "e"), *results):
-        scale = float(expected.abs().max().clamp(min=1))  # values up to ~900: float64's error grows with them
-        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-13 * scale,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        assert_close_scaled(got, expected, rtol=1e-12, atol_scale=1e-13, name=name)  # values up to ~900
     assert enc.table.grad[0].abs().sum() == 0  # the other layer's rows
 
 
@@ -162,9 +160,7 @@ def test_alone_its_gates_read_the_logits_and_q_and_k_get_the_formulas_gradients(
         out.backward(upstream)
         results.append([out.detach(), q_in.grad, k_in.grad, enc.table.grad[1].clone()])
     for name, got, expected in zip(("value", "q", "k", "e"), *results):
-        scale = float(expected.abs().max().clamp(min=1))  # values up to ~900: float64's error grows with them
-        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-13 * scale,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        assert_close_scaled(got, expected, rtol=1e-12, atol_scale=1e-13, name=name)  # values up to ~900
 
 
 def test_gradcheck():

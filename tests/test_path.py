@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from posbench.attention import Attention, PositionContext, get_backend
 from posbench.model import ModelConfig, Transformer
 from posbench.encodings.path import path_products
-from tests.helpers import make_encoding
+from tests.helpers import assert_close_scaled, make_encoding
 
 D_MODEL, HEADS, HEAD, LENGTH = 16, 2, 8, 7
 
@@ -66,8 +66,8 @@ def test_householder_vectors_follow_their_definition():
     x = torch.randn(2, LENGTH, D_MODEL, dtype=torch.float64)
     w, beta = enc.householder(x, 1)
     expected_w, expected_beta = w_and_beta_by_hand(enc, x, 1)
-    torch.testing.assert_close(w, expected_w, rtol=0, atol=1e-12)
-    torch.testing.assert_close(beta, expected_beta, rtol=0, atol=1e-12)
+    assert_close_scaled(w, expected_w, rtol=1e-12, name="w")
+    assert_close_scaled(beta, expected_beta, rtol=1e-12, name="beta")
     assert ((beta > 0) & (beta < 2)).all()
 
 
@@ -79,7 +79,7 @@ def test_path_attention_is_the_product_of_transforms():
     x = torch.randn(2, LENGTH, D_MODEL, dtype=torch.float64)
     with torch.no_grad():
         got = attn(x, PositionContext(enc, torch.arange(LENGTH)[None]))
-    torch.testing.assert_close(got, path_attention_by_hand(x, attn, enc), rtol=0, atol=1e-12)
+    assert_close_scaled(got, path_attention_by_hand(x, attn, enc), rtol=1e-12)
 
 
 def carried_keys(q, k, w, beta):
@@ -103,7 +103,7 @@ def test_the_triangular_solve_gives_the_recurrence_at_length(length, q_start):
     w = F.normalize(torch.randn(2, 3, length, 16, generator=gen, dtype=torch.float64), dim=-1)
     beta = 2 * torch.rand(2, 3, length, generator=gen, dtype=torch.float64)
     expected = carried_keys(q, k, w, beta)[..., q_start:, :]
-    torch.testing.assert_close(path_products(q[..., q_start:, :], k, w, beta, q_start), expected, rtol=0, atol=1e-11)
+    assert_close_scaled(path_products(q[..., q_start:, :], k, w, beta, q_start), expected, rtol=1e-11)
     single = path_products(q[..., q_start:, :].float(), k.float(), w.float(), beta.float(), q_start)
     torch.testing.assert_close(single.double(), expected, rtol=0, atol=1e-4)  # logits up to ~18
 
@@ -121,7 +121,7 @@ def test_path_fox_composite_adds_the_forget_gates():
     gates = (levels[:, :, None] - levels[:, None, :])[None]  # c_i - c_j: [1, H, L, L]
     with torch.no_grad():
         got = attn(x, PositionContext(enc, torch.arange(LENGTH)[None]))
-    torch.testing.assert_close(got, path_attention_by_hand(x, attn, path, gates), rtol=0, atol=1e-12)
+    assert_close_scaled(got, path_attention_by_hand(x, attn, path, gates), rtol=1e-12)
 
 
 def test_chunked_evaluation_and_causality():
