@@ -20,12 +20,12 @@ import hashlib
 import os
 import pickle
 import sys
-from dataclasses import fields, replace
 from inspect import signature
 
 import torch
 import torch.distributed as dist
 
+from posbench import draws
 from posbench.rundir import StopRequest, StopSignals
 
 
@@ -226,13 +226,7 @@ def shard(batch):
     get none, as in segment recurrence's one-row segments, all rank 0's)."""
     if size() == 1:
         return batch
-    rows = batch.inputs.shape[0]
-    split = {}
-    for field in fields(batch):
-        value = getattr(batch, field.name)
-        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows:
-            split[field.name] = value.tensor_split(size())[rank()]
-    return replace(batch, **split)
+    return draws.split_rows(batch, lambda tensor: tensor.tensor_split(size()))[rank()]
 
 
 def global_mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

@@ -28,19 +28,21 @@ def to_device(batch, device: torch.device):
     return dataclasses.replace(batch, **moved)
 
 
+def split_rows(batch, pieces) -> list:
+    """The batch split along its batch dimension: `pieces` maps a tensor to its parts (tensor.split(n),
+    tensor.tensor_split(k)); the tensors with a row per sequence are split, every other field is kept."""
+    rows = batch.inputs.shape[0]
+    split = {f.name: pieces(getattr(batch, f.name)) for f in dataclasses.fields(batch)
+             if isinstance(getattr(batch, f.name), torch.Tensor) and getattr(batch, f.name).dim()
+             and getattr(batch, f.name).shape[0] == rows}
+    return [dataclasses.replace(batch, **{name: parts[i] for name, parts in split.items()})
+            for i in range(len(split["inputs"]))]
+
+
 def row_blocks(batch, rows: int) -> list:
-    """The batch in blocks of at most `rows` sequences (its tensors split along the batch dimension): a
-    batch drawn whole and evaluated in smaller forwards, so the sequences drawn do not depend on them."""
-    total = batch.inputs.shape[0]
-    if total <= rows:
-        return [batch]
-    blocks = []
-    for start in range(0, total, rows):
-        split = {field.name: getattr(batch, field.name)[start:start + rows] for field in dataclasses.fields(batch)
-                 if isinstance(getattr(batch, field.name), torch.Tensor) and getattr(batch, field.name).dim()
-                 and getattr(batch, field.name).shape[0] == total}
-        blocks.append(dataclasses.replace(batch, **split))
-    return blocks
+    """The batch in blocks of at most `rows` sequences: a batch drawn whole and evaluated in smaller
+    forwards, so the sequences drawn do not depend on them."""
+    return [batch] if batch.inputs.shape[0] <= rows else split_rows(batch, lambda tensor: tensor.split(rows))
 
 
 def move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -66,7 +68,7 @@ class DataFingerprint:
                 continue
             value = value.detach().cpu().contiguous()
             h.update(f"{value.dtype}{tuple(value.shape)}".encode())
-            h.update(value.numpy().tobytes())
+            h.update(value.numpy())  # the tensor's own buffer: no copy
         self.digest = h.hexdigest()
 
 

@@ -43,13 +43,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a file: import posbench and tasks from this checkout
 
+from posbench.attention.crossover import MODES as TABLE_MODES, device_slug  # noqa: E402
+
 RESULT_MARK = "GPU_MEASURE "  # a child's lines of output the parent reads
 BASELINE = "nope"
 TARGETS = ("alibi", "sandwich", "kerple", "fox", "t5", "fire", "cope", "dape", "stick_breaking")  # measured first
 TOKENS = (32, 256, 1024, 4096)
 LONG_TOKENS = 8192  # for the encodings with a bias or a decay
 BACKENDS = ("sdpa", "flex", "eager")
-MODES = {"eager": False, "compiled": True, "static": "static", "graphs": "graphs"}  # -> train.compile
+MODES = {name: setting for setting, name in TABLE_MODES.items()}  # the table's mode -> train.compile
 TOKENS_PER_STEP = 65536  # a batch of about this many tokens: 64 sequences of 1,025
 WARMUP_STEPS, TIMED_STEPS = 3, 8
 ENCODING_FIELDS = ["encoding", "backend", "mode", "tokens", "tokens_per_s", "vs_nope", "auto", "batch_size", "status"]
@@ -302,7 +304,6 @@ def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
 
 
 def parent(args: argparse.Namespace) -> None:
-    from posbench.attention.crossover import device_slug
     from posbench.build import resolve_device
 
     began = time.time()

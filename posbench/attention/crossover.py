@@ -19,10 +19,12 @@ from pathlib import Path
 
 import torch
 
+from posbench.settings import COMPILE_MODES
+
 TABLES = Path(__file__).resolve().parents[2] / "results" / "gpu"
 TABLE_FILE = "encodings.csv"
 TABLE_ENV = "POSBENCH_CROSSOVER"
-MODES = {False: "eager", True: "compiled", "static": "static", "graphs": "graphs"}  # train.compile -> table mode
+MODES = dict(zip(COMPILE_MODES, ("eager", "compiled", "static", "graphs")))  # train.compile -> the table's mode
 
 
 def device_slug(name: str) -> str:
