@@ -291,11 +291,20 @@ class StopRequest(BaseException):
 class StopSignals:
     """While active, SIGTERM/SIGINT/SIGUSR2 only mark a stop (a second one exits at once); the
     runner calls `check()` at safe points, which raises StopRequest. `forward()` then hands the signal to the handler that was
-    installed before (submitit's requeue), or exits with 128 + the signal number."""
+    installed before (submitit's requeue), or exits with 128 + the signal number.
 
-    def __init__(self):
+    Inside `interruptible(stop_now)` (an evaluation at one length, whose partial work a stop may drop) a
+    signal ends the process at once instead: one batch at a long length can be one torch call of many
+    minutes, and Python runs its signal handlers only once that call returns. A watcher thread, woken
+    through signal.set_wakeup_fd while the main thread computes, calls stop_now(signum) (the runner
+    records the stop and releases the directory), hands the signal on and exits."""
+
+    def __init__(self, stop_now=None):
         self.signum: int | None = None
         self.previous: dict[int, object] = {}
+        self.stop_now = stop_now  # stop_now(signum): what a stop inside an interruptible section does first
+        self.inside = False  # the main thread is in an interruptible section
+        self.section = threading.Lock()  # held by the watcher while it ends the process: the section stays
 
     def _mark(self, signum, frame) -> None:
         if self.signum is not None:  # a second signal: stop now, from the last checkpoint
@@ -315,11 +324,60 @@ class StopSignals:
             signum = getattr(signal, name, None)
             if signum is not None:
                 self.previous[signum] = signal.signal(signum, self._mark)
+        wake_read, wake_write = os.pipe()
+        os.set_blocking(wake_write, False)  # set_wakeup_fd's requirement
+        watcher = threading.Thread(target=self._watch, args=(wake_read,), name="posbench-stop-watcher", daemon=True)
+        watcher.start()
+        previous_wakeup = signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
         try:
             yield self
         finally:
+            signal.set_wakeup_fd(previous_wakeup)
             for signum, handler in self.previous.items():
                 signal.signal(signum, handler)
+            os.close(wake_write)  # the watcher reads the end of the pipe and returns
+            watcher.join()
+            os.close(wake_read)
+
+    @contextmanager
+    def interruptible(self):
+        """A section that a stop may cut short: stop_now(signum) records the stop, then the process ends."""
+        with self.section:
+            self.inside = self.stop_now is not None
+        try:
+            yield
+        finally:
+            with self.section:  # blocks for good once the watcher is ending the process
+                self.inside = False
+
+    def _watch(self, wake_read: int) -> None:
+        stopping = set(self.previous)
+        while data := os.read(wake_read, 64):  # a byte per signal the process received
+            for signum in data:
+                if signum not in stopping:
+                    continue
+                with self.section:
+                    if not self.inside:
+                        continue  # the main thread is at safe points: its handler marked the stop
+                    try:
+                        self.stop_now(signum)
+                    except Exception as err:  # noqa: BLE001 - a stop that cannot be recorded still stops
+                        print(f"warning: could not record the stop: {type(err).__name__}: {err}", file=sys.stderr)
+                    os._exit(self.handed_on(signum))
+
+    def handed_on(self, signum: int) -> int:
+        """forward() from the watcher thread: the exit status the previous handler chose, else 128 + signum."""
+        try:
+            self.forward(signum)
+        except SystemExit as request:
+            code = request.code
+        except Exception as err:  # noqa: BLE001 - the process ends either way; say why the handler failed
+            print(f"warning: the previous handler of {signal.Signals(signum).name} failed: "
+                  f"{type(err).__name__}: {err}", file=sys.stderr)
+            code = 128 + signum
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return code if isinstance(code, int) else 1
 
     def forward(self, signum: int):
         handler = self.previous.get(signum)

@@ -9,6 +9,7 @@ The library it runs lies in posbench.build (the run built from its config), posb
 """
 from __future__ import annotations
 
+import signal
 import sys
 import time
 import uuid
@@ -112,6 +113,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
     main = distributed.is_main()
     resolved = OmegaConf.to_container(cfg, resolve=True)
     identity = run_identity(resolved)
+    locks: list[RunLock] = []  # rank 0's
     with ExitStack() as held:
         def claim_directory() -> tuple[dict | None, str]:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -120,6 +122,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
                 raise ValueError(f"{run_dir} holds {', '.join(odd)} but not as a regular file (a directory, a FIFO, "
                                  "...), where posbench keeps its own files: remove it or choose another hydra.run.dir")
             lock = held.enter_context(RunLock(run_dir))
+            locks.append(lock)
             if lock.stale:
                 print(f"taking over {lock.path} from process {lock.stale.get('pid')} on {lock.stale.get('host')} "
                       f"(started {lock.stale.get('started')}): that process is gone")
@@ -154,14 +157,22 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
             if built.untrained:
                 print("warning: train.steps=0 without train.init_from evaluates a freshly initialised model; its "
                       "rows carry untrained=true", file=sys.stderr)
-        stop = StopSignals()
+        def record_stop(signum: int) -> None:
+            status.update(state="killed", signal=signal.Signals(signum).name)
+            if main:
+                print(f"\nstopped: {describe(status.record)}; the same command resumes it", flush=True)
+
+        def stop_now(signum: int) -> None:  # inside an evaluation: the process ends once this returns
+            record_stop(signum)
+            for lock in locks:
+                lock.__exit__(None, None, None)
+
+        stop = StopSignals(stop_now)
         with stop.active():
             try:
                 rows = run_built(cfg, built, device, run_dir, resolved, status, stop)
             except StopRequest as request:
-                status.update(state="killed", signal=request.args[0])
-                if main:
-                    print(f"\nstopped: {describe(status.record)}; the same command resumes it")
+                record_stop(request.signum)
             except Exception as err:  # a full disk, a figure, the logger: failed, with the error
                 status.fail(error_text(err))
                 raise
@@ -270,7 +281,8 @@ def run_built(cfg: DictConfig, built: Built, device: torch.device, run_dir: Path
         else:
             try:
                 cfg_eval = built.guard.eval_config(cfg.eval, length)
-                with translate_oom(length, int(cfg_eval.batch_size)):
+                # a stop inside drops this length's partial sums (the same command evaluates it again)
+                with translate_oom(length, int(cfg_eval.batch_size)), stop.interruptible():
                     row |= {"status": "ok", **evaluate(built, length, cfg_eval, device, cfg.train.precision, stop,
                                                          trained.data_digest,
                                                          built.guard.draw_batch(cfg.eval, length))}

@@ -11,6 +11,7 @@ import random
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,50 @@ def test_the_report_lists_the_killed_runs_that_were_not_resumed(killed_runs, tmp
         else:
             assert "killed (process " in line and " gone) at " in line
         assert ("evaluating length" if "-evaluate-" in run_dir.name else "step ") in line
+
+
+# python -c LONG_BATCH AT SIGNAL overrides...: posbench whose first evaluation batch at the AT-th length sends
+# the process SIGNAL and then runs ten minutes, as one torch call at a long length does (Python runs its signal
+# handlers only after such a call: a stop checked between batches would wait for it)
+LONG_BATCH = """
+import os, signal, sys, time
+import posbench.model as model
+import posbench.runner as runner
+at, name = int(sys.argv[1]), sys.argv[2]
+evaluate, forward, lengths = runner.evaluate, model.Transformer.forward, []
+def counting(*args, **kwargs):
+    lengths.append(1)
+    return evaluate(*args, **kwargs)
+def long_batch(self, *args, **kwargs):
+    if not self.training and len(lengths) == at:
+        lengths.append(1)  # once
+        os.kill(os.getpid(), getattr(signal, name))
+        time.sleep(600)
+    return forward(self, *args, **kwargs)
+runner.evaluate, model.Transformer.forward = counting, long_batch
+sys.argv = ["posbench", *sys.argv[3:]]
+import runpy
+runpy.run_module("posbench", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("signal_name,at", [("SIGTERM", 2), ("SIGINT", 3), ("SIGUSR2", 2)])
+def test_a_stop_inside_a_long_evaluation_batch_is_answered_at_once_and_resumes(uninterrupted, signal_name, at,
+                                                                                tmp_path):
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    result = posbench(f"hydra.run.dir={run_dir}", *OVERRIDES, entry=["-c", LONG_BATCH, str(at), signal_name],
+                      check=False, timeout=240)
+    assert time.monotonic() - started < 120, "the stop waited for the batch"
+    assert result.returncode == 128 + getattr(signal, signal_name), result.stderr[-3000:]
+    record = status(run_dir)
+    lengths = [row[1] for row in uninterrupted]
+    assert record["state"] == "killed" and record["signal"] == signal_name, record
+    assert record["phase"] == "evaluate" and record["length"] == lengths[at - 1], record
+    assert f"stopped: killed by {signal_name} at evaluating length {lengths[at - 1]}; the same command resumes it" \
+        in result.stdout
+    assert measured(run_dir) == uninterrupted[:at - 1]  # the lengths measured before the stop stay
+    assert not (run_dir / "run.lock").exists()
+    resumed = tiny_run(run_dir)
+    assert resumed.returncode == 0 and "resuming the run in" in resumed.stdout, resumed.stderr[-3000:]
+    assert measured(run_dir) == uninterrupted and status(run_dir)["state"] == "ok"
