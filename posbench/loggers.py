@@ -128,14 +128,19 @@ def run_group(configured: str | None, sweep: str | None, encoding: str, task: st
     return configured or sweep or f"{encoding}-{task}"
 
 
+def run_tags(config: dict, extra=()) -> list[str]:
+    """A run's wandb tags from its flat config (RunInfo.flat_config): encoding, task, positions=<scheme>,
+    N=<train length>, then the extra ones (logger.tags)."""
+    return [config["encoding"], config["task"], f"positions={config['positions']}", f"N={config['train_length']}",
+            *extra]
+
+
 def build_logger(cfg, config: dict, run_name: str, run_dir: Path, run_id: str | None = None):
     name = cfg.name
     if name == "none":
         return NullLogger()
     if name == "wandb":
-        tags = [config["encoding"], config["task"], f"positions={config['positions']}",
-                f"N={config['train_length']}", *cfg.tags]
         group = run_group(cfg.group, sweep_group(), config["encoding"], config["task"])
-        return WandbLogger(config, run_name, group, tags, run_dir, project=cfg.project, entity=cfg.entity,
-                           mode=cfg.mode, dir=cfg.dir, run_id=run_id)
+        return WandbLogger(config, run_name, group, run_tags(config, cfg.tags), run_dir, project=cfg.project,
+                           entity=cfg.entity, mode=cfg.mode, dir=cfg.dir, run_id=run_id)
     raise ValueError(f"unknown logger {name!r}; choose none or wandb")
