@@ -1,4 +1,5 @@
 """`python -m posbench.dashboard SWEEP_DIR_OR_GROUP [--entity E] [--project P] [--report] [--dry-run]`
+`python -m posbench.dashboard SWEEP_DIR --log-rows [--wandb-dir DIR]`
 
 Builds the wandb view that compares one sweep's runs, its wandb group (posbench.loggers), with
 wandb-workspaces (the `wandb` extra: `pip install -e '.[wandb]'`):
@@ -20,13 +21,21 @@ report's headline table; --dry-run prints the specification as JSON and touches 
 From a sweep (or run) directory the group, the tasks and the metrics each task measured come
 from the runs' files; from a group name they come from the wandb API. Every key a panel reads
 is built from the declaration the logger writes with (posbench.loggers).
+
+--log-rows brings a sweep run without logger=wandb to wandb: it writes each run directory's rows
+as an offline wandb run, as the logger would have logged it (no training history: the rows hold
+none), records that in the run directory (wandb-rows.json) and prints the `wandb sync` command;
+a run logged already is skipped with the reason. The view of the sweep can be built afterwards.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import shlex
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +47,8 @@ from posbench.headline import (DEFAULT_THRESHOLD, HIGHER_IS_BETTER, LEARNED_AT_N
 from posbench.loggers import (EVAL_KEYS, EVAL_LENGTH, STATUS, TRAIN_STEP, TRAIN_TOKENS_PER_S, eval_key,
                               headline_key, run_group, sweep_group_name, train_key)
 from posbench.results import METRIC_LABELS, ROW_FILE, read_rows
+from posbench.rundir import atomic_write, describe, read_status
+from posbench.runinfo import RUN_KEYS, RunInfo
 
 INSTALL = "pip install -e '.[wandb]' in the posbench clone (or: bash scripts/install.sh wandb)"
 DEFAULT_PROJECT = "posbench"  # configs/logger/wandb.yaml
@@ -121,6 +132,7 @@ class Sweep:
     entity: str | None = None
     project: str | None = None
     source: Path | None = None  # the sweep directory, when the runs are local
+    run_names: tuple[str, ...] = ()  # one per run directory, when the runs are local
 
 
 @dataclass
@@ -184,7 +196,7 @@ class Dashboard:
     def as_dict(self, kind: str) -> dict:
         spec = {"kind": kind, "title": self.title, "entity": self.entity, "project": self.project,
                 "group": self.sweep.group, "source": str(self.sweep.source) if self.sweep.source else "wandb api",
-                "runs": self.sweep.runs,
+                "runs": self.sweep.runs, "run_names": list(self.sweep.run_names),
                 "tasks": {t.name: {"metric": t.metric, "measured": list(t.measured)} for t in self.sweep.tasks},
                 "runset": {"filter": [c.as_dict() for c in self.base_conditions()], "group_by": list(self.group_by),
                            "aggregate": "mean", "band": "minmax",
@@ -284,34 +296,45 @@ def tasks_of(rows_by_task: dict[str, list[dict]]) -> list[TaskInfo]:
             for task, rows in sorted(rows_by_task.items())]
 
 
-def local_sweep(path: Path, group: str | None = None) -> Sweep:
-    """The sweep in a directory: its runs that logged to wandb, their group, tasks and metrics."""
+def run_directories(path: Path):
+    """(run directory, its rows, its config.yaml) of each run directory under path with rows."""
     files = sorted(path.rglob(ROW_FILE))
     if not files:
         raise FileNotFoundError(f"no {ROW_FILE} under {path}: not a run or sweep directory with results")
-    groups, rows_by_task, runs, targets, without = {}, {}, set(), set(), []
     for file in files:
         try:
             rows = [r for r in read_rows(file) if r.get("task") and r.get("encoding")]
         except OSError as err:  # a FIFO, a directory or an unreadable file named results.jsonl
             print(f"skipped {file}: unreadable: {err.strerror or err}", file=sys.stderr)
             continue
-        config = read_yaml(file.parent / "config.yaml")
+        if rows:
+            yield file.parent, rows, read_yaml(file.parent / "config.yaml")
+
+
+def local_sweep(path: Path, group: str | None = None) -> Sweep:
+    """The sweep in a directory: its runs that logged to wandb (logger=wandb, or --log-rows afterwards),
+    their group, tasks and metrics."""
+    groups, rows_by_task, runs, names, targets, without = {}, {}, set(), [], set(), []
+    for run_dir, rows, config in run_directories(path):
         logger = config.get("logger") or {}
-        if not rows:
+        if logger.get("name") == "wandb":
+            name = group or directory_group(run_dir, rows, config)
+            targets.add((logger.get("entity"), logger.get("project")))
+        elif (logged := read_logged(run_dir)) is not None:
+            name = group or logged["group"]
+            targets.add((logged["entity"], logged["project"]))
+        else:
+            without.append(run_dir)
             continue
-        if logger.get("name") != "wandb":
-            without.append(file.parent)
-            continue
-        name = group or directory_group(file.parent, rows, config)
-        groups.setdefault(name, []).append(file.parent)
-        targets.add((logger.get("entity"), logger.get("project")))
+        groups.setdefault(name, []).append(run_dir)
         runs |= {r["run_id"] for r in rows}
+        names.append(rows[0]["run_name"])
         for row in rows:
             rows_by_task.setdefault(row["task"], []).append(row)
     if not groups:
         raise ValueError(f"no run under {path} logged to wandb ({len(without)} ran without: logger=none); "
-                         "run the sweep with logger=wandb")
+                         "run the sweep with logger=wandb, or write its rows as offline wandb runs with "
+                         f"python -m posbench.dashboard {shlex.quote(str(path))} --log-rows")
     if len(groups) > 1:
         found = ", ".join(f"{g} ({len(d)} runs)" for g, d in sorted(groups.items()))
         raise ValueError(f"{path} holds runs of {len(groups)} wandb groups: {found}; pass the directory of one sweep")
@@ -319,7 +342,7 @@ def local_sweep(path: Path, group: str | None = None) -> Sweep:
         raise ValueError(f"the runs under {path} logged to several wandb projects {sorted(map(str, targets))}; "
                          "pass --entity and --project")
     (entity, project), = targets
-    return Sweep(next(iter(groups)), tasks_of(rows_by_task), len(runs), entity, project, path)
+    return Sweep(next(iter(groups)), tasks_of(rows_by_task), len(runs), entity, project, path, tuple(sorted(names)))
 
 
 def remote_sweep(group: str, entity: str | None, project: str) -> Sweep:
@@ -356,6 +379,90 @@ def headline_markdown(path: Path) -> str:
     runs = report.run_table(frame, report.task_metrics(frame, None), DEFAULT_THRESHOLD)
     headline = report.headline_table(frame, runs, report.summary_table(frame), DEFAULT_THRESHOLD)
     return report.render_markdown([("table", report.headline_rows(headline))])
+
+
+# ---- --log-rows: a finished sweep's rows as offline wandb runs -----------------------------------
+
+LOGGED_FILE = "wandb-rows.json"  # in a run directory: what --log-rows wrote from its rows
+UNFINISHED = ("running", "killed")  # status.json states of a run whose resumption adds rows
+
+
+def read_logged(run_dir: Path) -> dict | None:
+    """The record --log-rows left in run_dir, or None."""
+    path = run_dir / LOGGED_FILE
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path} is unreadable ({err}); remove it and log the run again with --log-rows") from None
+    if not isinstance(record, dict) or not {"group", "entity", "project"} <= set(record):
+        raise ValueError(f"{path} is not a --log-rows record; remove it and log the run again with --log-rows")
+    return record
+
+
+def rows_digest(rows: list[dict]) -> str:
+    return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def rows_status(rows: list[dict]) -> str:
+    """The run's `status` summary from its rows: a failure's message, else diverged, else ok."""
+    statuses = [str(r.get("status")) for r in rows if r.get("status") != "ok"]
+    failed = [s for s in statuses if s.startswith("failed")]
+    return failed[0] if failed else "diverged" if "diverged" in statuses else "ok"
+
+
+def not_to_log(run_dir: Path, rows: list[dict], config: dict) -> str | None:
+    """Why --log-rows leaves run_dir alone, or None."""
+    if (config.get("logger") or {}).get("name") == "wandb":
+        return "it ran with logger=wandb, which logged it already (its offline runs: <run dir>/wandb)"
+    logged = read_logged(run_dir)
+    if logged is not None:
+        changed = ("; its rows changed since: remove that offline run (and the synced wandb run) and "
+                   f"{run_dir / LOGGED_FILE}, then log it again" if logged.get("rows_digest") != rows_digest(rows)
+                   else f" (remove {run_dir / LOGGED_FILE} to log it again)")
+        return f"logged already on {logged.get('logged')} as {logged.get('offline_run')}{changed}"
+    state = read_status(run_dir)
+    if state is not None and state.get("state") in UNFINISHED:
+        return f"not finished ({describe(state)}): resume it, then log its rows"
+    if len({r["run_id"] for r in rows}) > 1:
+        return f"its {ROW_FILE} holds the rows of several runs ({', '.join(sorted({r['run_id'] for r in rows}))})"
+    return None
+
+
+def log_rows(path: Path, group: str | None, entity: str | None, project: str, wandb_dir: str | None) -> list[Path]:
+    """Writes the rows of each run directory under path as an offline wandb run, with the name, id,
+    group, tags, config, evaluation history and summary logger=wandb gives a live run (through
+    posbench.loggers.WandbLogger); the training history is not in the rows. Leaves a record in the run
+    directory (LOGGED_FILE) that the dashboard reads and that keeps a second call from logging it
+    again. Returns the offline runs' directories."""
+    from posbench.loggers import WandbLogger, run_tags
+
+    written = []
+    for run_dir, rows, config in run_directories(path):
+        reason = not_to_log(run_dir, rows, config)
+        if reason:
+            print(f"skipped {run_dir}: {reason}", file=sys.stderr)
+            continue
+        first, status = rows[0], rows_status(rows)
+        flat = RunInfo(**{k: first.get(k) for k in RUN_KEYS}).flat_config(config)  # rows of older runs lack some
+        name = group or directory_group(run_dir, rows, config)
+        where = Path(wandb_dir) if wandb_dir else run_dir
+        where.mkdir(parents=True, exist_ok=True)
+        logger = WandbLogger(flat, first["run_name"], name, run_tags(flat), run_dir, project=project, entity=entity,
+                             mode="offline", dir=str(where), run_id=first["run_id"])
+        offline = Path(logger.run.dir).parent  # <where>/wandb/offline-run-<time>-<run id>
+        for row in rows:
+            logger.log_eval(row)
+        curve = run_dir / "curve.png"
+        logger.finish(rows, curve if curve.is_file() else None, status)
+        atomic_write(run_dir / LOGGED_FILE, json.dumps(
+            {"run_id": first["run_id"], "run_name": first["run_name"], "group": name, "entity": entity,
+             "project": project, "offline_run": str(offline), "rows": len(rows), "rows_digest": rows_digest(rows),
+             "logged": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1))
+        print(f"logged {first['run_name']} ({len(rows)} rows, status {status}, group {name}): {offline}")
+        written.append(offline)
+    return written
 
 
 # ---- wandb-workspaces: the workspace view and the report ----------------------------------------
@@ -458,10 +565,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report", action="store_true",
                         help="save a wandb Report (the same panels and the local headline table), not a workspace view")
     parser.add_argument("--dry-run", action="store_true", help="print the specification as JSON; no network")
+    parser.add_argument("--log-rows", action="store_true",
+                        help="write the rows of each run directory (run without logger=wandb) as an offline wandb run "
+                             "for `wandb sync`, as logger=wandb would have logged it; no network")
+    parser.add_argument("--wandb-dir", help="with --log-rows: where the offline runs go (<dir>/wandb/offline-run-*); "
+                                            "default: WANDB_DIR, else each run directory, as logger=wandb")
     args = parser.parse_args(argv)
-    workspaces_modules()  # the extra, before anything else
     entity, project = os.environ.get("WANDB_ENTITY"), os.environ.get("WANDB_PROJECT")
     source = Path(args.sweep)
+    if args.log_rows:
+        os.environ.setdefault("WANDB_SILENT", "true")  # one line per run below instead of wandb's summary of each
+        if args.report or args.dry_run:
+            parser.error("--log-rows writes offline runs and builds no view: run --dry-run or --report after it")
+        if not source.is_dir():
+            parser.error(f"{args.sweep!r} is not a directory: --log-rows reads a sweep or run directory's rows")
+        try:
+            written = log_rows(source, args.group, args.entity or entity, args.project or project or DEFAULT_PROJECT,
+                               args.wandb_dir or os.environ.get("WANDB_DIR"))
+        except (ValueError, FileNotFoundError) as err:
+            parser.error(str(err))
+        if written:
+            print(f"{len(written)} offline wandb runs written; upload them with:\n"
+                  f"  wandb sync {shlex.join(map(str, written))}\n"
+                  f"then build their view: python -m posbench.dashboard {shlex.quote(args.sweep)}")
+        else:
+            print(f"no run under {source} left to log (the reasons are above)")
+        return
+    if args.wandb_dir:
+        parser.error("--wandb-dir goes with --log-rows")
+    workspaces_modules()  # the extra, before anything else
     try:
         if source.is_dir():
             sweep = local_sweep(source, args.group)

@@ -2,6 +2,7 @@
 WANDB_MODE=offline) and checked against the keys those runs logged. No network: a view is saved
 only through a stand-in."""
 import json
+import re
 import shutil
 import sys
 
@@ -9,9 +10,11 @@ import pytest
 import yaml
 
 from posbench import dashboard
-from posbench.dashboard import build_dashboard, local_sweep, main
-from posbench.loggers import EVAL_LENGTH, TRAIN_STEP, TRAIN_TOKENS_PER_S, eval_key, headline_key, train_key
-from tests.helpers import posbench, wandb_records, write_wikitext_release
+from posbench.dashboard import LOGGED_FILE, build_dashboard, local_sweep, main
+from posbench.evaluation import UNMEASURED
+from posbench.loggers import EVAL_LENGTH, STATUS, TRAIN_STEP, TRAIN_TOKENS_PER_S, eval_key, headline_key, train_key
+from posbench.runinfo import RUN_KEYS
+from tests.helpers import posbench, read_rows, wandb_records, write_wikitext_release
 
 
 @pytest.fixture(scope="module")
@@ -184,9 +187,9 @@ def test_report_dry_run_holds_the_headline_table_and_sets_apart_runs_not_learned
     assert learned[">="] > not_learned["<="] and learned[">="] == pytest.approx(0.9)
 
 
-def copy_run(sweep, into):
-    """A copy of the sweep's copy run (without its wandb files and checkpoint) at `into`."""
-    source = next(p.parent for p in sweep.rglob("results.jsonl") if "task=copy" in p.parent.name)
+def copy_run(sweep, into, task="copy"):
+    """A copy of the sweep's run of task (without its wandb files and checkpoint) at `into`."""
+    source = next(p.parent for p in sweep.rglob("results.jsonl") if f"task={task}" in p.parent.name)
     shutil.copytree(source, into, ignore=shutil.ignore_patterns("wandb", "*.pt"))
     return into
 
@@ -281,3 +284,178 @@ def test_a_group_name_reads_the_runs_through_the_wandb_api(monkeypatch):
         ("copy", "exact_match", ("exact_match", "token_acc", "loss")), ("wikitext", "perplexity", ("perplexity",))]
     panels = build_dashboard(found).sections[1].panels
     assert [p.y for p in panels] == [(eval_key("perplexity"),)]  # only what the runs measured
+
+
+# ---- --log-rows: a sweep run without wandb, written as offline wandb runs afterwards -------------
+
+def read_wandb_run(log) -> dict:
+    """One offline run read back from its .wandb log: the run record's identity, config, history
+    steps and the summary it ends with (values decoded from JSON), and its exit code."""
+    run = {"config": {}, "history": [], "summary": {}}
+    for record in wandb_records(log):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            r = record.run
+            run |= {"id": r.run_id, "name": r.display_name, "group": r.run_group, "tags": list(r.tags),
+                    "project": r.project, "job_type": r.job_type}
+            run["config"] |= {item.key: json.loads(item.value_json) for item in r.config.update}
+        elif kind == "history":
+            run["history"].append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                   for item in record.history.item})
+        elif kind == "summary":
+            run["summary"] |= {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                               for item in record.summary.update}
+        elif kind == "exit":
+            run["exit_code"] = record.exit.exit_code
+    return run
+
+
+def offline_runs(folder) -> dict[str, dict]:
+    """The offline runs under folder, by wandb run id."""
+    runs = [read_wandb_run(log) for log in sorted(folder.rglob("offline-run-*/*.wandb"))]
+    return {run["id"]: run for run in runs}
+
+
+def eval_steps(run: dict) -> list[dict]:
+    """The history steps log_eval wrote (one per row): those with eval/ratio."""
+    return [{k: v for k, v in step.items() if not k.startswith("_")} for step in run["history"]
+            if eval_key("ratio") in step]
+
+
+def without_wandb(sweep, into, task: str):
+    """A copy of the sweep's run of task at `into`, as if run with the default logger=none."""
+    run = copy_run(sweep, into, task)
+    edit_yaml(run / "config.yaml", lambda d: d.update(logger={"name": "none"}))
+    return run
+
+
+def log_rows(sweep, *args, env=None):
+    return posbench(str(sweep), "--log-rows", *args, module="posbench.dashboard", env=env)
+
+
+def test_log_rows_writes_the_run_the_live_logger_wrote(sweep, tmp_path):
+    """The fixture's copy run, logged live with logger=wandb, against --log-rows on a copy of it made
+    as if run with logger=none: the same run name, id, group, tags, config, evaluation history and
+    summary. Only the training history is missing: the rows do not hold it."""
+    plain = tmp_path / "sweep"  # the sweep directory's name is the group
+    run = without_wandb(sweep, plain / "0_copy", "copy")
+    (plain / "multirun.yaml").write_text("{}")
+    result = log_rows(plain, "--wandb-dir", str(tmp_path / "out"))  # WANDB_MODE=disabled (helper): offline all the same
+    (replayed,) = offline_runs(tmp_path / "out" / "wandb").values()
+    (live,) = offline_runs(next(p.parent for p in sweep.rglob("results.jsonl") if "task=copy" in p.parent.name)
+                           ).values()
+    rows = read_rows(run)
+    identity = ("id", "name", "group", "tags", "project", "job_type")
+    assert {k: replayed[k] for k in identity} == {k: live[k] for k in identity}
+    assert (replayed["id"], replayed["name"], replayed["group"]) == (rows[0]["run_id"], "nope-copy-N16-s0", "sweep")
+    assert replayed["tags"] == ["nope", "copy", "positions=sequential", "N=16"]
+
+    assert set(replayed["config"]) == set(live["config"])
+    finished = {"train_steps", "train_seconds", "train_tokens_per_s"}  # None when a live run starts; the rows' here
+    for key in set(live["config"]) - finished - {"config"}:
+        assert replayed["config"][key] == live["config"][key], key
+    assert {k: replayed["config"][k] for k in finished} == {k: rows[0][k] for k in finished}
+    assert replayed["config"]["train_steps"] == 20
+    resolved = [{k: v for k, v in r["config"]["config"].items() if k != "logger"} for r in (replayed, live)]
+    assert resolved[0] == resolved[1] and resolved[0]["train"]["steps"] == 20
+
+    assert eval_steps(replayed) == eval_steps(live)
+    assert [(s[EVAL_LENGTH], s[eval_key("token_acc")]) for s in eval_steps(replayed)] == [
+        (r["eval_length"], r["token_acc"]) for r in rows]
+    shown = {k for k in live["summary"] if not k.startswith("_")}
+    assert shown - set(replayed["summary"]) == {TRAIN_STEP, *map(train_key, ("loss", "token_acc", "length", "lr"))}
+    assert {k for k in replayed["summary"] if not k.startswith("_")} <= shown
+    judged = [k for k in shown if k.startswith("headline/")] + [STATUS, TRAIN_TOKENS_PER_S]
+    assert {k: replayed["summary"][k] for k in judged} == {k: live["summary"][k] for k in judged}
+    assert replayed["summary"][STATUS] == "ok" and replayed["summary"][eval_key("curve_png") + "/_type"] == "image-file"
+    assert replayed["exit_code"] == live["exit_code"] == 0
+
+    offline = next((tmp_path / "out" / "wandb").glob("offline-run-*"))
+    assert f"wandb sync {offline}" in result.stdout
+    record = json.loads((run / LOGGED_FILE).read_text())
+    assert (record["group"], record["project"], record["offline_run"]) == ("sweep", "posbench", str(offline))
+
+
+@pytest.fixture
+def plain_sweep(sweep, tmp_path):
+    """A sweep run without wandb: a real diverged smoke run, the fixture's copy run, its wikitext run
+    with the last length failed (as the runner records an evaluation error) and a run killed
+    during evaluation."""
+    plain = tmp_path / "plain"
+    posbench("-m", "debug=smoke", "train.lr=1e30", f"hydra.sweep.dir={plain}")
+    without_wandb(sweep, plain / "1_copy", "copy")
+    failed = without_wandb(sweep, plain / "2_wikitext", "wikitext")
+    rows = read_rows(failed)
+    rows[-1] = {k: rows[-1][k] for k in (*RUN_KEYS, "eval_length", "eval_sequence_length", "ratio", "samples", "time")
+                } | {"status": "failed: RuntimeError: boom", **UNMEASURED}  # runner.length_row | runner.failed_fields
+    (failed / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (failed / "status.json").write_text(json.dumps({"state": "failed", "error": "RuntimeError: boom"}))
+    killed = without_wandb(sweep, plain / "3_killed", "copy")
+    (killed / "status.json").write_text(json.dumps({"state": "killed", "signal": "SIGTERM", "phase": "evaluate",
+                                                    "length": 32}))
+    return plain
+
+
+def test_log_rows_brings_a_sweep_without_wandb_to_the_dashboard(plain_sweep, tmp_path, capsys):
+    pytest.importorskip("wandb_workspaces")
+    with pytest.raises(SystemExit) as exit_:
+        main([str(plain_sweep), "--dry-run"])
+    assert exit_.value.code == 2
+    assert f"python -m posbench.dashboard {plain_sweep} --log-rows" in capsys.readouterr().err
+
+    result = log_rows(plain_sweep, env={"WANDB_DIR": str(tmp_path / "out")})
+    runs = {run["name"]: run for run in offline_runs(tmp_path / "out" / "wandb").values()}
+    assert sorted(runs) == ["nope-copy-N16-s0", "nope-wikitext-N64-s0", "rope-copy-N16-s0"]
+    assert {run["group"] for run in runs.values()} == {"plain"}
+    assert "3_killed: not finished (killed by SIGTERM at evaluating length 32)" in result.stderr
+    assert len(re.findall("^logged ", result.stdout, re.M)) == 3
+
+    diverged = runs["rope-copy-N16-s0"]  # debug=smoke's encoding, trained with lr 1e30
+    assert (diverged["summary"][STATUS], diverged["exit_code"]) == ("diverged", 1)
+    assert {k for s in eval_steps(diverged) for k in s} == {EVAL_LENGTH, eval_key("ratio")}  # nothing measured
+    assert diverged["summary"][headline_key("complete")] is False
+
+    wikitext = runs["nope-wikitext-N64-s0"]
+    rows = read_rows(plain_sweep / "2_wikitext")
+    assert (wikitext["summary"][STATUS], wikitext["exit_code"]) == ("failed: RuntimeError: boom", 1)
+    assert [s.get(eval_key("perplexity")) for s in eval_steps(wikitext)] == [r.get("perplexity") for r in rows]
+    assert rows[0]["perplexity"] > 1 and "perplexity" not in rows[-1]
+    assert wikitext["summary"][headline_key("metric")] == "perplexity"
+    assert runs["nope-copy-N16-s0"]["summary"][STATUS] == "ok"
+
+    main([str(plain_sweep), "--dry-run"])
+    spec = json.loads(capsys.readouterr().out)
+    assert (spec["group"], spec["runs"], spec["project"]) == ("plain", 3, "posbench")
+    assert spec["run_names"] == sorted(runs)
+    assert spec["runset"]["filter"][0]["value"] == "plain" and set(spec["tasks"]) == {"copy", "wikitext"}
+
+
+def test_log_rows_again_skips_the_runs_it_logged(plain_sweep, tmp_path):
+    out = tmp_path / "out"
+    log_rows(plain_sweep, "--wandb-dir", str(out))
+    again = log_rows(plain_sweep, "--wandb-dir", str(out))
+    assert len(offline_runs(out)) == 3 and len(list(out.rglob("offline-run-*"))) == 3  # nothing written twice
+    assert again.stdout.strip() == f"no run under {plain_sweep} left to log (the reasons are above)"
+    assert again.stderr.count("logged already on") == 3
+    assert f"(remove {plain_sweep / '1_copy' / LOGGED_FILE} to log it again)" in again.stderr
+    rows = (plain_sweep / "1_copy" / "results.jsonl").read_text().splitlines()
+    (plain_sweep / "1_copy" / "results.jsonl").write_text(rows[0] + "\n")
+    changed = log_rows(plain_sweep, "--wandb-dir", str(out)).stderr
+    assert "1_copy: logged already" in changed and "its rows changed since" in changed
+    assert len(list(out.rglob("offline-run-*"))) == 3
+
+
+def test_log_rows_bad_input_names_the_path(tmp_path, capsys):
+    def error(*args) -> str:
+        with pytest.raises(SystemExit) as exit_:
+            main([*map(str, args)])
+        assert exit_.value.code == 2
+        return capsys.readouterr().err
+
+    missing = tmp_path / "no-such-sweep"
+    assert f"'{missing}' is not a directory: --log-rows reads" in error(missing, "--log-rows")
+    assert f"no results.jsonl under {tmp_path}: not a run or sweep directory" in error(tmp_path, "--log-rows")
+    assert "run --dry-run or --report after it" in error(tmp_path, "--log-rows", "--dry-run")
+    assert "--wandb-dir goes with --log-rows" in error(tmp_path, "--wandb-dir", tmp_path)
+    result = posbench(str(missing), "--log-rows", module="posbench.dashboard", check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr and str(missing) in result.stderr
