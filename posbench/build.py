@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -14,9 +14,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from posbench import gpu_slots
 from posbench.attention import crossover
-from posbench.attention.select import measured_backend
+from posbench.attention.select import BACKENDS, measured_backend
 from posbench.encodings.base import Encoding, ModelDims
-from posbench.guard import GuardResult, check_run, translate_oom
+from posbench.guard import GuardResult, check_run, check_training, translate_oom
 from posbench.model import ModelConfig, Transformer
 from posbench.positions import PositionScheme, position_scheme
 from posbench.rundir import CHECKPOINT_FILE, load_checkpoint
@@ -91,7 +91,27 @@ def build(cfg: DictConfig, device: torch.device) -> Built:
 
 
 def build_checked(cfg: DictConfig, device: torch.device) -> Built:
-    """As build, for a config check_config has passed."""
+    """As build, for a config check_config has passed. The memory guard judges the run from its plan (the
+    model on the meta device: sizes, no memory) before any table or batch is allocated."""
+    plan = plan_run(cfg, device)
+    check_training(cfg, plan, device)
+    guard = check_run(cfg, plan, device)  # before check_built draws data at the longest length
+    torch.manual_seed(cfg.seed)
+    encoding = instantiate(cfg.encoding)(dims=plan.encoding.dims)
+    torch.manual_seed(cfg.seed + 1)  # the model's initialisation must not depend on the encoding's table size
+    model = Transformer(plan.model.cfg, encoding, BACKENDS[plan.backend]()).to(device)
+    init_from = str(checkpoint_path(cfg.train.init_from)) if cfg.train.get("init_from") else None
+    init_steps, init_config = load_initial_weights(model, init_from, cfg, device) if init_from else (0, None)
+    built = replace(plan, encoding=encoding, model=model, init_from=init_from, init_steps=init_steps,
+                    init_config=init_config, untrained=int(cfg.train.steps) == 0 and init_from is None, guard=guard)
+    with translate_oom(built.lengths[-1], 1, "drawing the evaluation data"):
+        check_built(built, cfg)
+    return built
+
+
+def plan_run(cfg: DictConfig, device: torch.device) -> Built:
+    """The run as build_checked makes it, its encoding and model on the meta device: every setting checked
+    and every tensor's size known, nothing allocated (what posbench.guard estimates from)."""
     task: Task = instantiate(cfg.task, _partial_=True)()  # a bad task.<param>: its own ValueError, unwrapped
     train_length = int(cfg.train.length)
     lengths = eval_lengths(cfg.eval, train_length)
@@ -103,9 +123,8 @@ def build_checked(cfg: DictConfig, device: torch.device) -> Built:
     dims = ModelDims(d_model=model_cfg.d_model, n_heads=model_cfg.n_heads, n_layers=model_cfg.n_layers,
                      **positions.model_extents(task, train_length), causal=model_cfg.causal,
                      vocab_size=task.vocab_size)
-    torch.manual_seed(cfg.seed)
-    encoding = instantiate(cfg.encoding)(dims=dims)
-    torch.manual_seed(cfg.seed + 1)  # the model's initialisation must not depend on the encoding's table size
+    with torch.device("meta"):
+        encoding = instantiate(cfg.encoding)(dims=dims)
     trains = int(cfg.train.steps) > 0
     windowed = model_cfg.window is not None
     backend = measured_backend(cfg.backend.name, encoding, device, task.sequence_length(train_length),
@@ -122,17 +141,11 @@ def build_checked(cfg: DictConfig, device: torch.device) -> Built:
                          f"{os.environ['ATEN_CPU_CAPABILITY']}: torch's inductor fails there (default: its C++ does not "
                          "compile; avx2 on an AVX-512 CPU: NaN at the first step); unset ATEN_CPU_CAPABILITY or set "
                          "train.compile=false")
-    model = Transformer(model_cfg, encoding, backend).to(device)
+    with torch.device("meta"):
+        model = Transformer(model_cfg, encoding, backend)
     if task.memory:  # evaluation with segment recurrence: refuse before training
         model.check_recurrent()
-    init_from = str(checkpoint_path(cfg.train.init_from)) if cfg.train.get("init_from") else None
-    init_steps, init_config = load_initial_weights(model, init_from, cfg, device) if init_from else (0, None)
-    built = Built(task, encoding, model, positions, backend.name, train_length, lengths, init_from, init_steps,
-                  init_config, untrained=int(cfg.train.steps) == 0 and init_from is None, eval_backends=eval_backends)
-    built.guard = check_run(cfg, built, device)  # before check_built draws data at the longest length
-    with translate_oom(built.lengths[-1], 1, "drawing the evaluation data"):
-        check_built(built, cfg)
-    return built
+    return Built(task, encoding, model, positions, backend.name, train_length, lengths, eval_backends=eval_backends)
 
 
 def checkpoint_path(init_from: str) -> Path:

@@ -36,15 +36,19 @@ the length and the settings to change.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from posbench.attention.layer import AUTO_CHUNK_ELEMENTS, DECAY_CHUNK, MIN_AUTO_CHUNK
+from posbench import settings
+from posbench.attention.layer import Attention
 from posbench.attention.select import BACKENDS
 from posbench.hooks import needs_logits
+from posbench.memory import rss_kb
 from posbench.validate import eval_chunk
 
 MIB = 2**20
@@ -55,6 +59,10 @@ FLOAT = 4  # bytes of a float32 (bf16 autocast allocates less; the bound stays f
 DATA_BYTES_PER_TOKEN = 96
 DATA_BYTES = {"stack_manipulation": 256, "counting": 224, "polynomial_evaluation": 224, "grid_nearest": 160,
               "life": 112, "addition": 112, "binary_addition": 112}  # measured 205, 185, 179, 127, 84, ~80, 74
+# tasks whose every sequence draws a permutation of a whole alphabet, task.<setting> symbols, to take its
+# first `length` (distinct keys, variables): float32 draws, then argsort's values and int64 indices
+ALPHABET_DRAWS = {"associative_recall": "keys", "mqar": "keys", "lego": "variables"}
+DRAW_BYTES_PER_SYMBOL = 24
 ATTENTION_ROWS = 10  # [B, T, D] tensors live around attention: x, norm, q k v, rotated q k, output blocks, copies
 MLP_EXTRA_ROWS = 4  # beside the [B, T, mlp_ratio D] pair: x, its norm, the output, the sum
 HEAD_COPIES = 3  # [B, T, V]: the logits, log-softmax, the loss's temporaries (+ 32 bytes a token: argmax, masks)
@@ -102,6 +110,15 @@ def _contiguous_positions(built) -> bool:
     return built.task.position_dims == 1 or getattr(built.encoding, "position_dims", 1) == 1
 
 
+def query_block(built, backend, window: int | None, batch: int, queries: int, keys: int, training: bool,
+                chunk_setting=None) -> int | None:
+    """Queries per block of a layer with this window and backend, or None for one call over all of them: the
+    layer's own rule (posbench.attention.layer.Attention.query_block), asked of a stand-in for the layer."""
+    layer = SimpleNamespace(training=training, eval_chunk=chunk_setting, backend=backend, window=window,
+                            n_heads=built.model.cfg.n_heads, causal=built.model.cfg.causal)
+    return Attention.query_block(layer, built.encoding, batch, queries, keys)
+
+
 def attention_bytes(built, cfg, length: int, batch: int, tokens: int, keys: int, window: int | None,
                     chunk_setting) -> tuple[float, int | None]:
     """One layer's attention in evaluation: bytes at its largest chunk, and the chunk (None: one call)."""
@@ -109,7 +126,7 @@ def attention_bytes(built, cfg, length: int, batch: int, tokens: int, keys: int,
     heads, head_dim = mcfg.n_heads, mcfg.d_model // mcfg.n_heads
     encoding = built.encoding
     hooks = set(encoding.hooks)
-    backend = BACKENDS[built.backend_at(length)]
+    backend = BACKENDS[built.backend_at(length)]()
     rows_fused = 4.0 * batch * heads * tokens * FLOAT  # out, lse and the kernel's per-row buffers
     logits = needs_logits(hooks) or window is not None
     decay = "decay" in hooks
@@ -120,16 +137,8 @@ def attention_bytes(built, cfg, length: int, batch: int, tokens: int, keys: int,
         if per_sequence:  # eager without chunking: every query's logits at once
             return EAGER_COPIES * batch * heads * tokens * keys * FLOAT, None
         return rows_fused, None
-    if not logits:
-        chunk = DECAY_CHUNK
-    elif chunk_setting == "auto":
-        rows = (batch if per_sequence else 1) * heads * keys
-        chunk = max(MIN_AUTO_CHUNK, AUTO_CHUNK_ELEMENTS // rows)
-    elif chunk_setting is None:
-        chunk = tokens
-    else:
-        chunk = int(chunk_setting)
-    chunk = min(chunk, tokens)
+    block = query_block(built, backend, window, batch, tokens, keys, training=False, chunk_setting=chunk_setting)
+    chunk = block or tokens
     seen = keys
     if window is not None and mcfg.causal:
         seen = min(keys, chunk + window - 1)
@@ -148,13 +157,17 @@ def attention_bytes(built, cfg, length: int, batch: int, tokens: int, keys: int,
             total += pairs * (3 * FLOAT + 8 + 2)  # zeros, the -inf mask, offsets and booleans
     else:  # a decay alone: q, k, v one column wider, each chunk against its whole key prefix
         total = (2.0 * keys + chunk) * batch * heads * (head_dim + 1) * FLOAT
-    if not logits or chunk < tokens:
-        return total + rows_fused, chunk
-    return total + rows_fused, None
+    return total + rows_fused, block
 
 
 def data_bytes_per_token(task) -> float:
     return float(getattr(task, "data_bytes_per_token", None) or DATA_BYTES.get(task.name, DATA_BYTES_PER_TOKEN))
+
+
+def alphabet_draw_bytes(task) -> float:
+    """Per sequence drawn: a permutation of the task's alphabet (ALPHABET_DRAWS), whatever the length."""
+    setting = ALPHABET_DRAWS.get(task.name)
+    return float(DRAW_BYTES_PER_SYMBOL * getattr(task, setting)) if setting else 0.0
 
 
 def estimate(cfg: DictConfig, built, length: int, batch: int | None = None, chunk_setting="unset",
@@ -180,7 +193,7 @@ def estimate(cfg: DictConfig, built, length: int, batch: int | None = None, chun
     drawn = batch
     if whole_draw and not getattr(task, "memory", 0):
         drawn = max(batch, min(int(cfg.eval.batch_size), int(cfg.eval.samples)))
-    data = drawn * tokens * data_bytes_per_token(task) + position_bytes
+    data = drawn * (tokens * data_bytes_per_token(task) + alphabet_draw_bytes(task)) + position_bytes
     row = float(batch) * tokens * d_model * FLOAT  # one [B, T, D] tensor
     attention, chunk = 0.0, None
     for window in sorted({mcfg.layer_window(layer) for layer in range(mcfg.n_layers)},
@@ -197,9 +210,16 @@ def estimate(cfg: DictConfig, built, length: int, batch: int | None = None, chun
         "head": {"activations": 2 * row + float(batch) * tokens * (vocab * FLOAT * HEAD_COPIES + 32)},
     }
     peak = max(phases.values(), key=lambda parts: sum(parts.values()))
-    params = sum(p.numel() * p.element_size() for p in built.model.parameters())
-    return Estimate(length, tokens, batch, {**peak, "data": data, "model": float(params), "overhead": float(OVERHEAD)},
-                    chunk)
+    return Estimate(length, tokens, batch, {**peak, "data": data, "model": model_bytes(built.model),
+                                            "overhead": float(OVERHEAD)}, chunk)
+
+
+def model_bytes(model) -> float:
+    """What the model holds in evaluation beyond what the limit already counts: its gradients, which training
+    leaves behind, and, for a plan (posbench.build.plan_run: on the meta device), its parameters and buffers."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    planned = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()) if t.is_meta)
+    return float(params + planned)
 
 
 # --- the limit ------------------------------------------------------------------------------------
@@ -246,39 +266,75 @@ def _cgroup_available() -> int | None:
     return None
 
 
+def _rlimits_available() -> list[tuple[float, str]]:
+    """What the process's soft resource limits still allow: RLIMIT_AS (ulimit -v) less the address space in
+    use (VmSize), RLIMIT_DATA (ulimit -d) less the data segment and private mappings it counts (VmData).
+    None where `resource` is missing (Windows) or no limit is set."""
+    try:
+        import resource
+    except ImportError:
+        return []
+    found = []
+    for name, used_field in (("RLIMIT_AS", "VmSize"), ("RLIMIT_DATA", "VmData")):
+        soft, _ = resource.getrlimit(getattr(resource, name))
+        if soft == resource.RLIM_INFINITY:
+            continue
+        try:
+            used = rss_kb(used_field) * 1024
+        except (OSError, RuntimeError):  # no /proc (macOS): the limit as a whole
+            used = 0
+        flag = "-v" if name == "RLIMIT_AS" else "-d"
+        found.append((float(max(0, soft - used)), f"{name} (ulimit {flag}) {gib(soft)} less {gib(used)} in use "
+                                                  f"({used_field})"))
+    return found
+
+
+RAISE_SETTING = f"raise {SETTING} (MiB) if more memory is there"
+
+
 @dataclass
 class Limit:
     bytes: float | None  # None: unknown, nothing is checked
     source: str  # how it was set, for messages
+    remedy: str = RAISE_SETTING  # how to allow more, for refusals
 
     def __str__(self) -> str:
         return f"{gib(self.bytes)} ({self.source})" if self.bytes is not None else self.source
 
 
+def with_margin(available: float, where: str, remedy: str = RAISE_SETTING) -> Limit:
+    margin = max(MARGIN_LEAST, MARGIN_FRACTION * available)
+    setting = f"; {SETTING}=<MiB> sets it" if remedy == RAISE_SETTING else ""
+    return Limit(max(0.0, available - margin), f"{where}: {gib(available)} less a {gib(margin)} margin{setting}",
+                 remedy)
+
+
 def memory_limit(cfg: DictConfig, device: torch.device | str = "cpu") -> Limit:
-    """eval.memory_limit (MiB) when set; else what the device has available less a margin (the larger of
-    MARGIN_FRACTION and MARGIN_LEAST): on CUDA the device's free memory, on CPU /proc/meminfo's MemAvailable
-    (psutil where there is no /proc) and the cgroup's remaining allowance, whichever is smaller."""
+    """The smallest of what may be allocated: eval.memory_limit (MiB) when set, else what the device has
+    available less a margin (the larger of MARGIN_FRACTION and MARGIN_LEAST): on CUDA the device's free
+    memory, on CPU /proc/meminfo's MemAvailable (psutil where there is no /proc) and the cgroup's remaining
+    allowance; on CPU also the process's own limits (RLIMIT_AS, RLIMIT_DATA), less a margin, which no
+    setting lifts. The limit's source names which one it was."""
     setting = cfg.eval.get("memory_limit") if "eval" in cfg else None
+    device = torch.device(device)
+    process = [with_margin(value, where, "raise the process's limit (ulimit) if more memory is there")
+               for value, where in _rlimits_available()] if device.type != "cuda" else []
     if setting is not None:
         if isinstance(setting, bool) or not isinstance(setting, (int, float)) or setting <= 0:
             raise ValueError(f"{SETTING}={setting!r} is not valid; give the MiB evaluation may allocate (a number "
                              "> 0), or null for the memory available less a margin")
-        return Limit(float(setting) * MIB, f"{SETTING}={setting} MiB")
-    device = torch.device(device)
-    if device.type == "cuda":
+        machine = [Limit(float(setting) * MIB, f"{SETTING}={setting} MiB")]
+    elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        available, where = float(free), f"free on {device}"
+        machine = [with_margin(float(free), f"free on {device}")]
     else:
-        found = [(value, where) for value, where in ((_meminfo_available(), "MemAvailable"),
-                                                    (_cgroup_available(), "the cgroup's memory.max"))
-                 if value is not None]
-        if not found:
-            return Limit(None, f"memory available unknown here; set {SETTING} (MiB) to check lengths")
-        available, where = min(found)
-    margin = max(MARGIN_LEAST, MARGIN_FRACTION * available)
-    return Limit(max(0.0, available - margin), f"{where} {gib(available)} less a {gib(margin)} margin; "
-                                              f"{SETTING}=<MiB> sets it")
+        machine = [with_margin(value, where) for value, where in ((_meminfo_available(), "MemAvailable"),
+                                                                 (_cgroup_available(), "the cgroup's memory.max"))
+                   if value is not None]
+    found = machine + process
+    if not found:
+        return Limit(None, f"memory available unknown here; set {SETTING} (MiB) to check lengths")
+    return min(found, key=lambda limit: limit.bytes)
 
 
 # --- the check -------------------------------------------------------------------------------------
@@ -338,6 +394,14 @@ def shape(task, length: int, tokens: int) -> str:
     return f"{tokens:,} tokens"
 
 
+def lengths_setting(cfg: DictConfig, built) -> tuple[str, str]:
+    """The key the evaluation lengths come from, and that key as the run sets it."""
+    if cfg.eval.get("lengths"):
+        return "eval.lengths", f"eval.lengths={[int(n) for n in cfg.eval.lengths]}"
+    return "eval.ratios", (f"eval.ratios={[float(r) for r in cfg.eval.ratios]} (lengths {built.lengths} at "
+                           f"train.length={built.train_length})")
+
+
 def check_run(cfg: DictConfig, built, device: torch.device | str = "cpu") -> GuardResult:
     """The runner's call after build, before the evaluation data is drawn and before training: every
     evaluation length against the limit, the batch size each gets and the messages to print, or a
@@ -375,21 +439,151 @@ def check_run(cfg: DictConfig, built, device: torch.device | str = "cpu") -> Gua
                 hint = f"; eval.chunk=auto would fit it ({gib(auto.total)} at eval.batch_size=1)"
         refused.append((length, est, hint))
     if refused:
-        if cfg.eval.get("lengths"):
-            key, named = "eval.lengths", f"eval.lengths={[int(n) for n in cfg.eval.lengths]}"
-        else:
-            key = "eval.ratios"
-            named = (f"eval.ratios={[float(r) for r in cfg.eval.ratios]} (lengths {built.lengths} at "
-                     f"train.length={built.train_length})")
+        key, named = lengths_setting(cfg, built)
         lines = [f"  length {length} ({shape(built.task, length, est.tokens)}):"
                  f" {est.describe()} at eval.batch_size=1{hint}" for length, est, hint in refused]
         several = len(refused) > 1
         raise ValueError(
             f"{named}: {len(refused)} length{'s' if several else ''} cannot be evaluated within the memory limit "
             f"{limit}, even one sequence at a time:\n" + "\n".join(lines)
-            + f"\nleave {'them' if several else 'it'} out of {key}, or raise {SETTING} (MiB) if more memory is there "
-              "(refused before training: nothing ran)")
+            + f"\nleave {'them' if several else 'it'} out of {key}, or {limit.remedy} (refused before training: "
+              "nothing ran)")
     return result
+
+
+# --- training, from the plan ---------------------------------------------------------------------------
+
+# measured peaks of two training steps (build, optimizer, steps) were 0.95-1.1x these estimates
+# (tests/test_guard.py: test_the_training_estimate_bounds_the_measured_peak)
+OPTIMIZER_COPIES = 5  # per parameter beyond itself: its initialisation's temporary, gradient, AdamW's two moments
+# and the step's temporaries
+TRAIN_EXTRA_ROWS = 6  # [B, T, D] tensors of the backward beside those a layer keeps (ATTENTION_ROWS, the MLP's)
+TRAIN_HEAD_COPIES = 4  # [B, T, V]: the logits, log-softmax, their gradients
+TRAIN_BIAS_COPIES = 2  # [1, H, T, K] of a layer's bias on sdpa, kept for the backward: the bias, its gradient
+# [B, H, T, K] tensors an eager layer keeps for the backward: EAGER_COPIES (the logits' hooks keep theirs; cope,
+# deberta, shaw measured 6-9), and the encodings that keep more
+TRAIN_EAGER_COPIES = {"path": 18}
+DEFAULT_LONGEST_RATIO = 4  # eval.ratios' largest by default: a position table of 4 N rows is the usual size
+
+
+@dataclass
+class Cause:
+    """A setting a part of the estimate grows with, and how many times its default it is."""
+    setting: str  # key=value as the run sets it
+    growth: float
+    detail: str = ""  # what it amounts to here (tokens, positions)
+
+    def __str__(self) -> str:
+        return f"{self.setting} ({self.detail})" if self.detail else self.setting
+
+
+@dataclass
+class Part:
+    name: str
+    bytes: float
+    causes: list[Cause]
+
+
+def setting_default(key: str):
+    return next(s.default for s in settings.SETTINGS if s.key == key)
+
+
+def vocabulary_causes(cfg: DictConfig, task) -> list[Cause]:
+    """The task settings its vocabulary is made of: the integers of at least half of it (task.symbols,
+    task.keys), each against its constructor's default; the task itself where none is."""
+    defaults = inspect.signature(type(task).__init__).parameters
+    causes = [Cause(f"task.{key}={value}", value / defaults[key].default)
+              for key, value in cfg.task.items()
+              if isinstance(value, int) and not isinstance(value, bool) and key in defaults
+              and isinstance(defaults[key].default, int) and task.vocab_size / 2 <= value <= task.vocab_size]
+    return causes or [Cause(f"task={task.name}", 1.0, f"{task.vocab_size:,} tokens")]
+
+
+def training_attention_bytes(built, batch: int, tokens: int) -> float:
+    """What the layers' attention keeps for the backward at once, over all layers."""
+    mcfg, encoding = built.model.cfg, built.encoding
+    backend = BACKENDS[built.backend]()
+    heads = mcfg.n_heads
+    rows_fused = 4.0 * batch * heads * tokens * FLOAT
+    total = 0.0
+    for layer in range(mcfg.n_layers):
+        window = mcfg.layer_window(layer)
+        logits = needs_logits(encoding.hooks) or window is not None
+        if not backend.takes_bias or not (logits or backend.per_sequence_logits):
+            total += rows_fused  # fused kernels keep their output and log-sum-exps
+            continue
+        block = query_block(built, backend, window, batch, tokens, tokens, training=True)
+        # each block of queries keeps its logits against its key prefix
+        pairs = float(tokens) * tokens if block is None else float(tokens) * (tokens + block) / 2
+        if backend.per_sequence_logits:
+            total += TRAIN_EAGER_COPIES.get(encoding.name, EAGER_COPIES) * batch * heads * pairs * FLOAT
+        elif "bias" in encoding.hooks and (layer == 0 or not encoding.bias_layers_shared):
+            total += TRAIN_BIAS_COPIES * heads * pairs * FLOAT
+        total += rows_fused
+    return total
+
+
+def training_parts(cfg: DictConfig, built) -> list[Part]:
+    """What a training step allocates, by part, from the plan (posbench.build.plan_run): the parameters with
+    their gradients and AdamW's state, the activations kept for the backward, the head's logits, the batch."""
+    mcfg, task = built.model.cfg, built.task
+    batch, tokens = int(cfg.train.batch_size), int(task.sequence_length(built.train_length))
+    tables = {"tok.": 0.0, "head.": 0.0, "encoding.": 0.0, "": 0.0}  # by name prefix; "": the layers
+    for name, tensor in (*built.model.named_parameters(), *built.model.named_buffers()):
+        copies = 1 + OPTIMIZER_COPIES if isinstance(tensor, torch.nn.Parameter) else 1
+        prefix = next(prefix for prefix in tables if name.startswith(prefix))
+        tables[prefix] += copies * tensor.numel() * tensor.element_size()
+    vocabulary = vocabulary_causes(cfg, task)
+    width = Cause(f"model.d_model={mcfg.d_model}", mcfg.d_model / setting_default("model.d_model"))
+    depth = Cause(f"model.n_layers={mcfg.n_layers}", mcfg.n_layers / setting_default("model.n_layers"))
+    default_length = int(getattr(task, "default_length", built.train_length))
+    step = [Cause(f"train.batch_size={batch}", batch / setting_default("train.batch_size")),
+            Cause(f"train.length={built.train_length}", built.train_length / default_length, f"{tokens:,} tokens")]
+    dims = built.encoding.dims
+    if cfg.train.get("max_position"):
+        positions_setting = f"train.max_position={cfg.train.max_position}"
+    else:
+        positions_setting = lengths_setting(cfg, built)[1]
+    positions = Cause(positions_setting, dims.max_positions / (DEFAULT_LONGEST_RATIO * dims.train_positions),
+                      f"{dims.max_positions:,} positions")
+    row = float(batch) * tokens * mcfg.d_model * FLOAT
+    alphabet = ALPHABET_DRAWS.get(task.name)
+    draw_causes = [Cause(f"task.{alphabet}={getattr(task, alphabet)}", 1.0)] if alphabet else []
+    return [
+        Part("the token embedding and head [V, D] with gradients and AdamW's state",
+             tables["tok."] + tables["head."], [*vocabulary, width]),
+        Part(f"encoding={built.encoding.name}'s tables with gradients and AdamW's state", tables["encoding."],
+             [positions, width]),
+        Part("the layers' weights with gradients and AdamW's state", tables[""], [width, depth]),
+        Part("the activations kept for the backward",
+             mcfg.n_layers * (ATTENTION_ROWS + MLP_EXTRA_ROWS + TRAIN_EXTRA_ROWS + 2 * mcfg.mlp_ratio) * row
+             + training_attention_bytes(built, batch, tokens), [*step, width, depth]),
+        Part("the head's logits [B, T, V] and the loss's", batch * tokens * (task.vocab_size * FLOAT * TRAIN_HEAD_COPIES + 32.0),
+             [*step, *vocabulary]),
+        Part("the training batch", batch * (tokens * data_bytes_per_token(task) + alphabet_draw_bytes(task)),
+             [*step, *draw_causes]),
+        Part("overhead", float(OVERHEAD), []),
+    ]
+
+
+def check_training(cfg: DictConfig, built, device: torch.device | str = "cpu") -> list[Part]:
+    """Before anything is allocated: the training step's estimate against the limit (memory_limit). Over it,
+    a ValueError naming the setting at fault (of the largest part, the one furthest above its default),
+    the estimate by part and the limit. Returns the parts (none where the run does not train)."""
+    if not int(cfg.train.steps):
+        return []
+    parts = training_parts(cfg, built)
+    limit = memory_limit(cfg, device)
+    total = sum(part.bytes for part in parts)
+    if limit.bytes is None or total <= limit.bytes:
+        return parts
+    parts.sort(key=lambda part: -part.bytes)
+    fault = max(parts[0].causes, key=lambda cause: cause.growth)
+    lines = [f"  {gib(part.bytes)}: {part.name}" + (f" ({', '.join(map(str, part.causes))})" if part.causes else "")
+             for part in parts if part.bytes >= MIB]
+    raise ValueError(f"{fault.setting}: training would need about {gib(total)}, over the memory limit {limit}:\n"
+                     + "\n".join(lines) + f"\nlower {fault.setting} or the other settings of the largest part, or "
+                     f"{limit.remedy} (refused before the model and data were built: nothing was allocated)")
 
 
 # --- allocation errors -----------------------------------------------------------------------------

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import resource
 from pathlib import Path
 
 # kinds whose numbers are one stretch's own peak; the report compares only these
@@ -18,7 +17,7 @@ PER_STRETCH_KINDS = ("rss_hwm", "cuda_max_allocated")
 
 
 def rss_kb(field: str) -> int:
-    """A memory field of /proc/self/status (VmRSS, VmHWM) in kB."""
+    """A memory field of /proc/self/status (VmRSS, VmHWM, VmSize, VmData) in kB."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
@@ -75,6 +74,8 @@ class PeakMemory:
                 return
             except OSError:
                 self.kind = "process_peak_rss"
+        import resource  # here: posbench.guard reads rss_kb where there is no `resource` (Windows)
+
         self.base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     def peak(self) -> float:
@@ -84,4 +85,6 @@ class PeakMemory:
             return torch.cuda.max_memory_allocated(self.device) / 2**20
         if self.kind == "rss_hwm":
             return rss_kb("VmHWM") / 1024
+        import resource
+
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
