@@ -282,8 +282,8 @@ GRID_ONLY = {"alibi_2d", "learned_2d", "rope_2d", "rope_mixed", "sinusoidal_2d",
 def test_every_encoding_plans_its_tables_without_allocating_them():
     """The plan (the meta device) holds the same tensors as the built model: the guard's sizes are the run's."""
     for name in ENCODINGS:
-        cfg = compose_cfg("device=cpu", "debug=smoke", f"encoding={name}", *(["task=life"] if name in GRID_ONLY else []),
-                          "eval.memory_limit=16384")
+        grid = ["task=life"] if name in GRID_ONLY else []
+        cfg = compose_cfg("device=cpu", "debug=smoke", f"encoding={name}", *grid, "eval.memory_limit=16384")
         plan, built = plan_run(cfg, CPU), build(cfg, CPU)
         shapes = {key: tuple(value.shape) for key, value in built.model.state_dict().items()}
         assert {key: tuple(value.shape) for key, value in plan.model.state_dict().items()} == shapes, name
