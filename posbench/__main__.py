@@ -1,6 +1,7 @@
 """`python -m posbench [overrides]`: one run, or a sweep with --multirun."""
 import os
 import sys
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -31,7 +32,25 @@ def main(cfg: DictConfig) -> None:
         sys.exit(1)
 
 
+def directory_refusal(argv: list[str]) -> str | None:
+    """hydra.run.dir (hydra.sweep.dir with --multirun) given on the command line where a file is, or under
+    one: Hydra's own mkdir would fail before main() with a traceback."""
+    key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(argv) else "hydra.run.dir"
+    given = [arg.split("=", 1)[1] for arg in argv if arg.lstrip("+").startswith(f"{key}=")]
+    if not given or "${" in given[-1]:  # the last one counts; an interpolation is Hydra's to resolve
+        return None
+    path = Path(given[-1].strip("'\""))
+    file = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if file is None:
+        return None
+    return f"{key}={path}: {file} is a file, not a directory; choose another {key}"
+
+
 if __name__ == "__main__":
+    refusal = directory_refusal(sys.argv[1:])
+    if refusal:
+        print(f"refused: {refusal}", file=sys.stderr)
+        sys.exit(1)
     try:
         main()
     except SystemExit as request:

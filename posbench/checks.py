@@ -175,7 +175,7 @@ class Items:
             + (f", or null ({self.null})" if self.null else "")
 
     def example(self) -> str:
-        return "[a,b]" if isinstance(self.item, Text) else "[1,2]"
+        return "[a,b]" if self.item.type is str else "[1,2]"
 
     def __call__(self, key: str, value, owner: str | None = None) -> list | None:
         if value is None and self.null:

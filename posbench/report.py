@@ -754,12 +754,11 @@ def write_report(paths, out=None, metric: str | None = None, threshold: float = 
         raise ValueError(f"--metric {metric!r} is not a headline metric; choose one of {list(HEADLINE_METRICS)}")
     if not 0 < threshold <= 1:
         raise ValueError(f"--threshold {threshold} must be in (0, 1]: it applies to accuracies")
+    out = output_directory(out, paths[0])
     frame = collect(paths)
     if metric is not None and (metric not in frame or frame[metric].isna().all()):
         present = [m for m in HEADLINE_METRICS if m in frame and frame[m].notna().any()]
         raise ValueError(f"--metric {metric}: no row measures it; these rows measure {present}")
-    out = Path(out or paths[0])
-    out.mkdir(parents=True, exist_ok=True)
     skipped = frame.attrs["input"]["skipped"] + unreadable_configs(frame["source"])
     for line in skipped_lines(skipped):
         print(f"warning: skipped {line}", file=sys.stderr)
@@ -855,6 +854,21 @@ def progress(paths) -> list[str]:
     lines.append(counts + (f"; skipped {skipped_summary(skipped)}, as the report skips them:" if skipped else ""))
     lines += [f"  {line}" for line in skipped_lines(skipped)]
     return lines + sweep_lines
+
+
+def output_directory(out, first_path) -> Path:
+    """The report's directory (--out, default the first path), made; a file there (or above it) is named."""
+    out = Path(out or first_path)
+    given = f"--out {out}" if out != Path(first_path) else f"{out} (the default --out: the first path)"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        file = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), out)
+        raise ValueError(f"{given}: {file} is a file, not a directory; --out names the directory the report is "
+                         "written to (results.csv, report.md, ...)") from None
+    except OSError as err:
+        raise ValueError(f"{given}: cannot make the report's directory: {err.strerror}") from None
+    return out
 
 
 def main(argv: list[str] | None = None) -> Path | None:

@@ -9,6 +9,7 @@ The library it runs lies in posbench.build (the run built from its config), posb
 """
 from __future__ import annotations
 
+import inspect
 import signal
 import sys
 import time
@@ -18,11 +19,14 @@ from pathlib import Path
 
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from tqdm.auto import tqdm
 
-from posbench import distributed
+from posbench import distributed, settings
 from posbench.build import Built, build_checked, git_commit, resolve_device
+from posbench.checks import shown
 from posbench.evaluation import UNMEASURED, evaluate
 from posbench.guard import translate_oom
 from posbench.loggers import NullLogger, build_logger
@@ -32,6 +36,7 @@ from posbench.rundir import (
     CHECKPOINT_FILE,
     FINAL_STATES,
     LOCK_FILE,
+    RunBusy,
     RunLock,
     Status,
     StopRequest,
@@ -101,26 +106,32 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
 
     One process at a time per run directory (rundir.RunLock). The same command pointed at the
     same run directory continues an unfinished run: training from its last checkpoint,
-    evaluation at the first length without a row. A command refused before it starts (the
-    directory busy or holding another run, or a setting refused while resuming) leaves the
-    directory's files as they were; any later error is recorded as `failed` with the error.
+    evaluation at the first length without a row. The command is checked and built before its
+    directory is looked at, so a bad setting is named as such; a refused command (a bad setting, the
+    directory busy or holding another run) leaves a directory holding a run as it was, and records the
+    refusal in one that would have taken the run; any later error is recorded as `failed` with the error.
 
     Data-parallel (torchrun: posbench.distributed), rank 0 is that one process: it holds the lock,
     claims the directory and writes every file, while the other ranks train and evaluate beside it
     and write nothing there. A refusal on any rank is raised on every rank before training."""
-    distributed.start(cfg.device)
+    distributed.start(cfg.get("device"))
     run_dir = shared_run_dir(Path(run_dir))
     main = distributed.is_main()
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    identity = run_identity(resolved)
+    identity = None
+    try:  # the command checked and built first: a bad setting is named, not taken for another run's config
+        resolved = resolved_config(cfg)
+        identity = run_identity(resolved)
+        device, built = distributed.agreed(lambda: prepare(cfg))
+    except Exception as err:
+        if main:
+            record_refusal(run_dir, identity, err)
+        if isinstance(err, ValueError):
+            raise Refused(err) from None
+        raise
     locks: list[RunLock] = []  # rank 0's
     with ExitStack() as held:
         def claim_directory() -> tuple[dict | None, str]:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            odd = foreign_entries(run_dir)
-            if odd:
-                raise ValueError(f"{run_dir} holds {', '.join(odd)} but not as a regular file (a directory, a FIFO, "
-                                 "...), where posbench keeps its own files: remove it or choose another hydra.run.dir")
+            check_entries(run_dir)
             lock = held.enter_context(RunLock(run_dir))
             locks.append(lock)
             if lock.stale:
@@ -142,14 +153,6 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
                 print(f"resuming the run in {run_dir}: {describe(previous)}")
         status = Status(run_dir, writes=main, run_id=run_id, identity=identity,
                         resumed=previous.get("resumed", 0) + 1 if previous else 0)
-        try:
-            device, built = distributed.agreed(lambda: prepare(cfg))
-        except Exception as err:
-            if previous is None:  # a fresh directory: the refusal is its record (the report lists it)
-                status.fail(error_text(err))
-            if isinstance(err, ValueError):
-                raise Refused(err) from None
-            raise
         built.guard.batch_sizes = distributed.smallest(built.guard.batch_sizes)  # one batching on every rank
         if main:
             for message in built.guard.messages:
@@ -157,6 +160,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
             if built.untrained:
                 print("warning: train.steps=0 without train.init_from evaluates a freshly initialised model; its "
                       "rows carry untrained=true", file=sys.stderr)
+
         def record_stop(signum: int) -> None:
             status.update(state="killed", signal=signal.Signals(signum).name)
             if main:
@@ -182,6 +186,39 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
     return rows
 
 
+def resolved_config(cfg: DictConfig) -> dict:
+    """The config with its interpolations resolved; a missing key or a failed interpolation is named."""
+    settings.check_present(cfg)
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as err:
+        raise ValueError(f"{err.full_key}: {err.msg}") from None
+
+
+def check_entries(run_dir: Path) -> None:
+    """The run directory is a directory, and posbench's own files in it are regular files."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"hydra.run.dir={run_dir} is a file, not a directory: choose another hydra.run.dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    odd = foreign_entries(run_dir)
+    if odd:
+        raise ValueError(f"{run_dir} holds {', '.join(odd)} but not as a regular file (a directory, a FIFO, "
+                         "...), where posbench keeps its own files: remove it or choose another hydra.run.dir")
+
+
+def record_refusal(run_dir: Path, identity: str | None, err: Exception) -> None:
+    """A refused command's error as the status of a directory that would have taken its run (a sweep's
+    point: the report lists it). A directory holding a run, this one's or another's, or in use by
+    another process, stays as it was."""
+    try:
+        check_entries(run_dir)
+        with RunLock(run_dir):
+            if claim(run_dir, identity, "auto") is None:
+                Status(run_dir, run_id=uuid.uuid4().hex[:12], identity=identity, resumed=0).fail(error_text(err))
+    except (ValueError, OSError, RunBusy):  # not this command's directory to write: the refusal says it all
+        pass
+
+
 def shared_run_dir(run_dir: Path) -> Path:
     """Rank 0's run directory on every rank. Hydra names it by the time (${now:...}) in each process,
     and a rank may read the clock a second after rank 0: the empty directory Hydra made it goes."""
@@ -194,6 +231,7 @@ def shared_run_dir(run_dir: Path) -> Path:
 def prepare(cfg: DictConfig) -> tuple[torch.device, Built]:
     """The process set up (threads, denormals) and the run built; writes nothing."""
     check_config(cfg)  # threads and device are applied before build: refuse bad ones first
+    check_parameter_mappings(cfg)
     distributed.check_batch_size(cfg.train.batch_size)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
@@ -202,6 +240,21 @@ def prepare(cfg: DictConfig) -> tuple[torch.device, Built]:
     torch.set_flush_denormal(True)
     device = distributed.local_device(resolve_device(cfg.device))
     return device, build_checked(cfg, device)
+
+
+def check_parameter_mappings(cfg: DictConfig) -> None:
+    """An encoding or task parameter that holds other parameters (base_params, part_params: named *_params or
+    annotated as a dict) is a mapping or null; anything else is named here, not met as dict()'s own error."""
+    for section in settings.PARAMETER_SECTIONS:
+        node = cfg.get(section)
+        if node is None or "_target_" not in node:
+            continue
+        for name, parameter in inspect.signature(get_object(node._target_)).parameters.items():
+            value = node.get(name)
+            if (name.endswith("_params") or "dict" in str(parameter.annotation)) and name in node \
+                    and value is not None and not isinstance(value, DictConfig):
+                raise ValueError(f"{section}.{name}={shown(value)}: must be a mapping of parameters (name: value), "
+                                 f"e.g. {section}.{name}={{name: value}}, or null (the defaults)")
 
 
 def write_hydra_record(cfg: DictConfig, run_dir: Path) -> None:

@@ -140,6 +140,23 @@ class Published:
 
 # --- the table --------------------------------------------------------------------------------------
 
+class Tag:
+    """A wandb tag: a string of 1 to 64 characters, as wandb takes them. A number is refused, not taken as
+    its text: the tags reach wandb as the config holds them."""
+    plural = "strings"
+    type = str
+
+    def text(self) -> str:
+        return "a string of 1 to 64 characters"
+
+    def __call__(self, key: str, value):
+        if not isinstance(value, str):
+            refuse(key, value, f"{self.text()} (quote a number: '1')")
+        if not 1 <= len(value) <= 64:
+            refuse(key, value, f"{self.text()} (wandb's limit); this one has {len(value)}")
+        return value
+
+
 @dataclass(frozen=True)
 class Setting:
     key: str  # dotted: seed, train.steps, model.window, ...
@@ -240,7 +257,7 @@ SETTINGS: tuple[Setting, ...] = (
     S("logger.mode", Choice(WANDB_MODES, null="WANDB_MODE, else online with an API key, else offline"), None,
       "wandb's mode", option="wandb"),
     S("logger.group", Text(null="the sweep, else <encoding>-<task>"), None, "the wandb group", option="wandb"),
-    S("logger.tags", Items(Text(), empty=True), [], "tags added to the automatic ones", option="wandb"),
+    S("logger.tags", Items(Tag(), empty=True), [], "tags added to the automatic ones", option="wandb"),
     S("logger.dir", Text(null="the run directory"), None, "where wandb writes", option="wandb"),
 )
 BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
@@ -264,6 +281,36 @@ ADDED_PARAMETERS = {
 def section(name: str) -> tuple[Setting, ...]:
     """The settings of one section (model, train, ...), in declaration order."""
     return tuple(s for s in SETTINGS if s.section == name)
+
+
+def check_present(cfg) -> None:
+    """Every setting and group a run reads is in its config: a deletion override (`~train.steps`, `~eval`)
+    is refused naming what it removed and how to give it back, not met later as a missing key."""
+    for group in (*SECTIONS, *PARAMETER_SECTIONS):
+        if group not in cfg:
+            choices = options(group)
+            raise ValueError(f"{group} is missing from the configuration (a ~{group} override deletes the group); "
+                             f"a run needs it: choose one of its options instead, {group}=<one of {choices}>")
+    missing = [s for s in SETTINGS if s.option is None and not has_key(cfg, s.key)]
+    if not missing:
+        return
+    first = missing[0]
+    together = [s.key for s in missing if first.section and s.section == first.section]
+    if len(together) > 1:  # a group's option deleted (~eval, ~model): the settings its YAML gave
+        raise ValueError(f"{together} are missing from the configuration (a ~{first.section} override deletes the "
+                         f"option that sets them); a run needs them: choose one of its options instead, "
+                         f"{first.section}=<one of {options(first.section)}>, or set each, e.g. "
+                         f"{first.key}={hydra_value(first.default)}")
+    raise ValueError(f"{first.key} is missing from the configuration (a ~{first.key} override deletes it); a run "
+                     f"needs it: set it instead, e.g. {first.key}={hydra_value(first.default)} (the default; valid: "
+                     f"{first.text()})")
+
+
+def has_key(cfg, key: str) -> bool:
+    """Whether a dotted key is in the config, without resolving its value (it may interpolate a deleted one)."""
+    section, _, name = key.rpartition(".")
+    node = cfg.get(section) if section else cfg
+    return hasattr(node, "keys") and name in node.keys()
 
 
 def added_settings() -> dict:

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from posbench import runner
-from posbench.build import build
 from posbench.report import main as report_main
 from posbench.report import write_report
 from posbench.results import ROW_FILE, SCHEMA, RowWriter, read_rows
@@ -219,7 +218,7 @@ def test_posbench_files_that_are_not_regular_files_are_refused_not_hung_on(name,
     run_dir.mkdir()
     make(run_dir / name)
     result = posbench("debug=smoke", f"hydra.run.dir={run_dir}", check=False, timeout=60)
-    assert result.returncode == 1
+    assert result.returncode == 1 and "Traceback" not in result.stderr
     assert f"{run_dir} holds {name} but not as a regular file" in result.stderr
     if name == "results.jsonl":
         for module in ("posbench.report", "posbench.dashboard"):
@@ -227,3 +226,88 @@ def test_posbench_files_that_are_not_regular_files_are_refused_not_hung_on(name,
                             check=False, timeout=60)
             assert "results.jsonl: unreadable: not a regular file (a FIFO, a socket or a device)" in read.stderr
             assert "Traceback" not in read.stderr
+
+
+# ---- 6. issue 37: tracebacks in place of messages, messages that blamed the wrong thing ------------------
+
+def refused(result, *named: str) -> None:
+    """Exit 1, one message naming what is wrong, and no Python traceback."""
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    for text in named:
+        assert text in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("overrides,named", [
+    (["~train.steps"], ["refused: train.steps is missing from the configuration (a ~train.steps override deletes "
+                        "it)", "train.steps=10000 (the default; valid: an integer >= 0)"]),
+    (["~eval"], ["'eval.lengths', 'eval.seed', 'eval.chunk', 'eval.memory_limit'] are missing from the "
+                 "configuration (a ~eval override deletes the option", "eval=<one of ['default']>"]),
+    (["~encoding"], ["refused: encoding is missing from the configuration (a ~encoding override deletes the group)"]),
+    (["encoding=schedule", "encoding.kinds=garbage"], ["encoding.kinds='garbage' must be a mapping of kind names"]),
+    (["encoding=schedule", "encoding.kinds={a: 5}"], ["encoding.kinds.a=5 must be a mapping with `encoding:` one of"]),
+    (["logger=wandb", "logger.tags=[a,1]"], ["logger.tags[1]=1: must be a string of 1 to 64 characters"]),
+    (["logger=wandb", f"logger.tags=[{'t' * 65}]"], ["must be a string of 1 to 64 characters (wandb's limit); this "
+                                                     "one has 65"]),
+    (["encoding=dape", "encoding.base_params=notadict"], ["encoding.base_params='notadict': must be a mapping"]),
+    (["encoding=urpe", "encoding.base_params=notadict"], ["encoding.base_params='notadict': must be a mapping"]),
+], ids=["no-train.steps", "no-eval", "no-encoding", "schedule-kinds", "schedule-kind", "tags-number", "tags-long",
+        "dape-base_params", "urpe-base_params"])
+def test_a_bad_or_deleted_setting_is_named_without_a_traceback(overrides, named, tmp_path):
+    run_dir = tmp_path / "run"
+    refused(posbench("debug=smoke", "train.steps=2", *overrides, f"hydra.run.dir={run_dir}", check=False, timeout=120),
+            *named)
+    assert not (run_dir / "results.jsonl").exists()
+
+
+@pytest.mark.parametrize("below", ["", "run"])
+def test_a_run_directory_that_is_a_file_is_named(below, tmp_path):
+    file = tmp_path / "somefile"
+    file.write_text("mine\n")
+    run_dir = file / below if below else file
+    refused(posbench("debug=smoke", f"hydra.run.dir={run_dir}", check=False, timeout=120),
+            f"refused: hydra.run.dir={run_dir}: {file} is a file, not a directory; choose another hydra.run.dir")
+    sweep = posbench("-m", "debug=smoke", f"hydra.sweep.dir={run_dir}", check=False, timeout=120)
+    refused(sweep, f"hydra.sweep.dir={run_dir}: {file} is a file, not a directory")
+    assert file.read_text() == "mine\n"
+
+
+def test_report_out_at_a_regular_file_is_named(tmp_path):
+    file = tmp_path / "report.txt"
+    file.write_text("mine\n")
+    for out in (file, file / "sub"):
+        result = posbench(str(tmp_path), "--out", str(out), module="posbench.report", check=False, timeout=120)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert f"--out {out}: {file} is a file, not a directory; --out names the directory the report is written " \
+               "to" in result.stderr
+    assert file.read_text() == "mine\n"
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    posbench("debug=smoke", "train.steps=2", f"hydra.run.dir={run_dir}")
+    return run_dir
+
+
+def snapshot(run_dir) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("override,named", [
+    ("train.grad_clip=-1", "refused: train.grad_clip=-1: must be > 0"),
+    ("+train.stepz=5", "refused: train.stepz is not a train setting; the settings: ['batch_size', "),
+    ("device=cuda", "refused: device=cuda but CUDA is not available here; use device=auto or device=cpu"),
+    ("encoding.base_params=notadict", "Could not override 'encoding.base_params'"),  # rope has none: Hydra says so
+])
+def test_a_bad_setting_on_an_existing_run_is_named_before_the_directory_is_compared(finished_run, override, named):
+    """Rerun into a finished run's directory with one bad setting: the setting is named (before, grad_clip and
+    stepz were refused as "another configuration" and device=cuda found the run finished); the files stay."""
+    if override == "device=cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    before = snapshot(finished_run)
+    result = posbench("debug=smoke", "train.steps=2", override, f"hydra.run.dir={finished_run}", check=False,
+                      timeout=120)
+    refused(result, named)
+    assert "not of this configuration" not in result.stderr and "nothing to do" not in result.stdout
+    assert snapshot(finished_run) == before

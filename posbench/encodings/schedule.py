@@ -135,8 +135,16 @@ class Schedule(Encoding):
 
 def parse_pattern(pattern, kinds, registry: dict) -> tuple[list[str], dict[str, dict]]:
     """pattern: a non-empty list of registered names or kinds; kinds: {name: {encoding: registered, ...}}."""
-    kinds = {str(name): dict(params or {}) for name, params in (kinds or {}).items()}
     choices = sorted(set(registry) - {Schedule.name})
+    example = "e.g. encoding.kinds={local: {encoding: rope, base: 10000}}"
+    if kinds is not None and not isinstance(kinds, (dict, DictConfig)):
+        raise ValueError(f"schedule: encoding.kinds={kinds!r} must be a mapping of kind names to their encoding and "
+                         f"parameters, {example}, or null (no kinds)")
+    for name, params in (kinds or {}).items():
+        if params is not None and not isinstance(params, (dict, DictConfig)):
+            raise ValueError(f"schedule: encoding.kinds.{name}={plain(params)!r} must be a mapping with `encoding:` one "
+                             f"of {choices} and that encoding's parameters, {example}")
+    kinds = {str(name): dict(params or {}) for name, params in (kinds or {}).items()}
     for name, params in kinds.items():
         if name in registry:
             raise ValueError(f"schedule: kind {name!r} shadows the registered encoding of that name; rename it")
