@@ -12,17 +12,30 @@ A generated table sits between two markers in the Markdown source:
 and NAME is a function of TABLES below. Each reads the committed rows under results/reference/
 through the report's own code (posbench.results.collect, posbench.report's groups, run table,
 summary and headline, posbench.headline's `learned` bar), so a figure quoted in the docs is the
-number `python -m posbench.report` gives for the same directories. Prose numbers are not
-generated: they are checked by hand against these tables. tests/test_docs.py runs --check.
+number `python -m posbench.report` gives for the same directories.
+
+A count in the prose sits between inline markers on one line:
+
+    <!-- value:KIND ARG... -->TEXT<!-- /value -->
+
+and KIND is a function of VALUES below, called with the ARGs: how many encodings, tasks, runs of a
+sweep (Hydra's own expansion of the config globs), committed runs, test cases, and what a study
+cost (from its rows' own times). `tests` is the suite's size, which needs a collection: the
+script runs `pytest --collect-only` (seconds) unless given `--tests N`, and `--skip tests` leaves
+it unchecked; tests/test_docs.py passes its own session's count. Other prose numbers (scores
+quoted from the tables) are checked by hand. tests/test_docs.py runs --check.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import importlib
 import json
 import math
 import re
+import subprocess
 import sys
+from datetime import datetime, timedelta
 from functools import cache
 from pathlib import Path
 from typing import NamedTuple
@@ -37,6 +50,7 @@ from posbench.results import collect  # noqa: E402
 
 REFERENCE = ROOT / "results" / "reference"
 MARKER = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
+INLINE = re.compile(r"(<!-- value:(?P<name>[\w-]+)(?P<args>(?: [^ ]+)*?) -->)(?P<body>[^\n]*?)(<!-- /value -->)")
 CORE = ("nope", "sinusoidal", "learned", "rope", "alibi", "t5")
 
 
@@ -669,41 +683,195 @@ TABLES = {f.__name__.replace("_", "-"): f for f in (
     gpu_sweep)}
 
 
+# ---- the inline values -----------------------------------------------------------------------------
+
+WORDS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+
+def count(n: int) -> str:
+    """A count as the docs write it: a word below ten, else digits with thousands separators."""
+    return WORDS[n] if n < len(WORDS) else f"{n:,}"
+
+
+def duration(seconds: float) -> str:
+    minutes = round(seconds / 60)
+    return f"{minutes // 60} h {minutes % 60} min" if minutes >= 60 else f"{minutes} min"
+
+
+def encodings(*args: str) -> str:
+    """The configs/encoding options (`dims=2`: those of 2-D encodings, by the registry's position_dims)."""
+    from posbench.encodings import REGISTRY
+    dims = dict(a.split("=") for a in args).get("dims")
+    names = [p.stem for p in (ROOT / "configs" / "encoding").glob("*.yaml")]
+    return count(sum(dims is None or REGISTRY[n].position_dims == int(dims) for n in names))
+
+
+def axes(*overrides: str) -> dict[str, int]:
+    """{key: how many values} of what `python -m posbench -m OVERRIDES` sweeps: the config's sweeper params,
+    the command line's sweeps over them, expanded by Hydra (globs over the config groups included)."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from tests.helpers import CONFIGS, multirun_config
+    params = multirun_config(*overrides).hydra.sweeper.params or {}
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+        parsed = parser.parse_overrides([f"{k}={v}" for k, v in params.items()] + list(overrides))
+    sizes = {o.get_key_element(): len(list(o.sweep_string_iterator())) if o.is_sweep_override() else 1
+             for o in parsed}
+    return {key: n for key, n in sizes.items() if n > 1}
+
+
+def sweep(*overrides: str) -> str:
+    """The runs of `python -m posbench -m OVERRIDES`."""
+    return f"{math.prod(axes(*overrides).values()):,}"
+
+
+def sweep_axes(*overrides: str) -> str:
+    """The same as a product: "31 × 24 × 3 = 2,232", axes in the sweep's order."""
+    sizes = axes(*overrides).values()
+    return " × ".join(map(str, sizes)) + f" = {math.prod(sizes):,}"
+
+
+def axis(key: str, *overrides: str) -> str:
+    """How many values the sweep takes for one key (`task`, `encoding`, `seed`, ...)."""
+    return count(axes(*overrides)[key])
+
+
+@cache
+def rows(*dirs: str):
+    return collect([REFERENCE / d for d in dirs])
+
+
+def runs_of(args: tuple[str, ...]) -> list:
+    """args: directories under results/reference/ and column=value filters; one frame per run."""
+    dirs = [a for a in args if "=" not in a]
+    frame = rows(*dirs)
+    for column, value in (a.split("=", 1) for a in args if "=" in a):
+        frame = frame[frame[column].astype(str) == value]
+    return [part for _, part in frame.groupby("run_id")]
+
+
+def run_span(part) -> tuple[datetime, datetime]:
+    """A run's start (its first row's time less its training) and end (its last row's time): a lower
+    bound, as the time before training and the first length's evaluation are in neither."""
+    times = sorted(map(datetime.fromisoformat, part["time"]))
+    return times[0] - timedelta(seconds=float(part["train_seconds"].iloc[0])), times[-1]
+
+
+def runs(*args: str) -> str:
+    return count(len(runs_of(args)))
+
+
+def cost(*args: str) -> str:
+    """What the runs took of both cores: their spans summed, over 2 (two single-thread jobs at a time)."""
+    return duration(sum((end - start).total_seconds() for start, end in map(run_span, runs_of(args))) / 2)
+
+
+def wall(*args: str) -> str:
+    """From the first run's start to the last run's end: a sweep that ran in one go."""
+    spans = list(map(run_span, runs_of(args)))
+    return duration((max(end for _, end in spans) - min(start for start, _ in spans)).total_seconds())
+
+
+def train_range(*args: str) -> str:
+    """The runs' training seconds: "100–206 s, median 155 s"."""
+    seconds = sorted(float(part["train_seconds"].iloc[0]) for part in runs_of(args))
+    middle = (seconds[(len(seconds) - 1) // 2] + seconds[len(seconds) // 2]) / 2
+    return f"{seconds[0]:.0f}–{seconds[-1]:.0f} s, median {middle:.0f} s"
+
+
+def cases(module: str, *tests: str) -> str:
+    """The test cases of these test functions of a test module: their parametrisations' product, 1 unparametrised."""
+    found = importlib.import_module(module)
+    total = 0
+    for name in tests:
+        marks = [m for m in getattr(getattr(found, name), "pytestmark", []) if m.name == "parametrize"]
+        total += math.prod(len(m.args[1]) for m in marks)
+    return count(total)
+
+
+def length(module: str, name: str) -> str:
+    """len() of a module's object: a test module's table of cases or settings."""
+    return count(len(getattr(importlib.import_module(module), name)))
+
+
+def suite_size() -> int:
+    """pytest's count of the suite's tests: a collection in one process (some seconds)."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider"],
+                          cwd=ROOT, capture_output=True, text=True)
+    found = re.search(r"^(\d+) tests? collected", done.stdout, re.M)
+    if done.returncode or not found:
+        raise SystemExit(f"pytest --collect-only failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return int(found[1])
+
+
+def tests_text(n: int) -> str:
+    """"over 4,300": the suite's size rounded down to the hundred, so it holds until the next hundred."""
+    return f"over {n // 100 * 100:,}"
+
+
+VALUES = {f.__name__.replace("_", "-"): f for f in (
+    encodings, sweep, sweep_axes, axis, runs, cost, wall, train_range, cases, length)}
+VALUES["tests"] = lambda: tests_text(suite_size())
+
+
 def pages() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def regenerate(text: str, page: Path) -> str:
+def regenerate(text: str, page: Path, values: dict, skip: set) -> tuple[str, list[str]]:
+    """The page with its tables and values rebuilt, and what changed ("table NAME", "line N: value ...")."""
+    where = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
+    changed = []
+
     def block(match):
         name = match["name"]
         if name not in TABLES:
-            raise SystemExit(f"{page.relative_to(ROOT)}: unknown table {name!r}; known: {sorted(TABLES)}")
-        return match[1] + TABLES[name]() + match[4]
+            raise SystemExit(f"{where}: unknown table {name!r}; known: {sorted(TABLES)}")
+        body = TABLES[name]()
+        if body != match["body"]:
+            changed.append(f"table {name}")
+        return match[1] + body + match[4]
 
-    return MARKER.sub(block, text)
+    def inline(match):
+        name, args = match["name"], match["args"].split()
+        if name not in values:
+            raise SystemExit(f"{where}: unknown value {name!r}; known: {sorted(values)}")
+        body = match["body"] if name in skip else values[name](*args)
+        if body != match["body"]:
+            line = text.count("\n", 0, match.start()) + 1
+            changed.append(f"line {line}: value {' '.join([name, *args])} is {body!r}, not {match['body']!r}")
+        return match[1] + body + match[5]
+
+    new = INLINE.sub(inline, MARKER.sub(block, text))
+    return new, changed
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 when a table differs")
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 when a table or value differs")
+    parser.add_argument("--tests", type=int, help="the suite's collected tests, when known (else pytest collects them)")
+    parser.add_argument("--skip", action="append", default=[], help="a value left as the page has it (repeatable)")
     args = parser.parse_args(argv)
+    values = dict(VALUES)
+    if args.tests is not None:
+        values["tests"] = lambda: tests_text(args.tests)
     drift, used = [], set()
     for page in pages():
         text = page.read_text()
         used |= {m["name"] for m in MARKER.finditer(text)}
-        new = regenerate(text, page)
-        if new == text:
-            continue
-        changed = [m["name"] for m, n in zip(MARKER.finditer(text), MARKER.finditer(new)) if m["body"] != n["body"]]
-        drift += [f"{page.relative_to(ROOT)}: table {name}" for name in changed]
-        if not args.check:
+        new, changed = regenerate(text, page, values, set(args.skip))
+        drift += [f"{page.relative_to(ROOT)}: {change}" for change in changed]
+        if changed and not args.check:
             page.write_text(new)
     unused = sorted(set(TABLES) - used)
     if unused:
         print(f"tables no page shows: {unused}", file=sys.stderr)
     if drift:
-        verb = "differs from the rows" if args.check else "rewritten from the rows"
-        print("\n".join(f"{line} {verb}" for line in drift), file=sys.stderr)
+        verb = "differs from its source" if args.check else "rewritten"
+        print("\n".join(f"{line}: {verb}" for line in drift), file=sys.stderr)
         if args.check:
             print("run `python scripts/docs_tables.py` to rewrite them", file=sys.stderr)
             return 1
