@@ -49,6 +49,7 @@ from posbench.headline import DEFAULT_THRESHOLD, lower_is_better, spread  # noqa
 from posbench.results import collect  # noqa: E402
 
 REFERENCE = ROOT / "results" / "reference"
+ENCODINGS = ROOT / "configs" / "encoding"
 MARKER = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
 INLINE = re.compile(r"(<!-- value:(?P<name>[\w-]+)(?P<args>(?: [^ ]+)*?) -->)(?P<body>[^\n]*?)(<!-- /value -->)")
 CORE = ("nope", "sinusoidal", "learned", "rope", "alibi", "t5")
@@ -702,7 +703,7 @@ def encodings(*args: str) -> str:
     """The configs/encoding options (`dims=2`: those of 2-D encodings, by the registry's position_dims)."""
     from posbench.encodings import REGISTRY
     dims = dict(a.split("=") for a in args).get("dims")
-    names = [p.stem for p in (ROOT / "configs" / "encoding").glob("*.yaml")]
+    names = [p.stem for p in ENCODINGS.glob("*.yaml")]
     return count(sum(dims is None or REGISTRY[n].position_dims == int(dims) for n in names))
 
 

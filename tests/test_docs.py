@@ -1,7 +1,8 @@
 """README.md and docs/*.md: every relative link reaches a file (and a heading, with a #fragment) that
 git does not ignore (a fresh clone has it), the README stays a front door, its two commands are the
-ones CI runs, and the tables that quote committed results equal what scripts/docs_tables.py builds
-from the rows."""
+ones CI runs, the tables that quote committed results equal what scripts/docs_tables.py builds
+from the rows, and the counts between value markers (encodings, tasks, sweep sizes, runs, study
+costs, test cases, the suite's size) equal their sources."""
 import importlib.util
 import re
 import subprocess
@@ -117,10 +118,31 @@ def load_script():
 
 
 def test_tables_match_the_committed_rows(capsys):
-    """Each generated table equals what the rows under results/reference/ give; after a new
-    reference run, `python scripts/docs_tables.py` rewrites them."""
+    """Each generated table and inline value equals what its source gives (the suite's size: the next
+    test); after a new reference run or a new config, `python scripts/docs_tables.py` rewrites them."""
     script = load_script()
-    assert script.main(["--check"]) == 0, capsys.readouterr().err
+    assert script.main(["--check", "--skip", "tests"]) == 0, capsys.readouterr().err
+
+
+def whole_suite(session) -> int | None:
+    """The suite's size when this session collected every test file with nothing deselected (a
+    worker of pytest-xdist collects the whole suite too), else None."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or reporter.stats.get("deselected"):
+        return None
+    files = {Path(str(item.path)).name for item in session.items}
+    if files != {p.name for p in (ROOT / "tests").glob("test_*.py")}:
+        return None
+    return len(session.items)
+
+
+def test_the_documented_test_count_is_the_suites(request, capsys):
+    """docs/testing.md's "over N tests" against this session's own collection: free, where a
+    collection of its own would cost the suite seconds."""
+    size = whole_suite(request.session)
+    if size is None:
+        pytest.skip("this session did not collect the whole suite (a file or -k given): no count to compare")
+    assert load_script().main(["--check", "--tests", str(size)]) == 0, capsys.readouterr().err
 
 
 def test_drift_is_caught(tmp_path, monkeypatch):
@@ -135,3 +157,28 @@ def test_drift_is_caught(tmp_path, monkeypatch):
     assert script.main([]) == 0
     assert "segment recurrence, memory 64" in page.read_text() and "stale" not in page.read_text()
     assert script.main(["--check"]) == 0
+
+
+@pytest.mark.parametrize("line,fixed", [
+    ("over <!-- value:encodings -->30<!-- /value --> encodings", "over <!-- value:encodings -->{encodings}<!-- /value --> encodings"),
+    ("(<!-- value:sweep-axes experiment=synthetic_suite -->22 × 19 × 3 = 1,254<!-- /value --> runs)",
+     "(<!-- value:sweep-axes experiment=synthetic_suite -->{synthetic}<!-- /value --> runs)"),
+    ("<!-- value:runs frontier -->150<!-- /value --> runs, <!-- value:cost frontier -->8 h 30 min<!-- /value -->",
+     "<!-- value:runs frontier -->156<!-- /value --> runs, <!-- value:cost frontier -->{cost}<!-- /value -->"),
+    ("<!-- value:tests -->over 3,900<!-- /value --> tests", "<!-- value:tests -->over 4,200<!-- /value --> tests"),
+])
+def test_a_wrong_count_is_caught_and_rewritten(tmp_path, monkeypatch, capsys, line, fixed):
+    """A stale count in the prose fails --check, naming its line and both texts; without --check it is
+    rewritten from its source (the suite's size given as --tests, as the session's test does)."""
+    script = load_script()
+    expected = fixed.format(encodings=script.encodings(), synthetic=script.sweep_axes("experiment=synthetic_suite"),
+                            cost=script.cost("frontier"))
+    page = tmp_path / "page.md"
+    page.write_text(f"intro\n{line}\n")
+    monkeypatch.setattr(script, "pages", lambda: [page])
+    monkeypatch.setattr(script, "ROOT", tmp_path)
+    assert script.main(["--check", "--tests", "4250"]) == 1
+    assert "page.md: line 2: value" in capsys.readouterr().err
+    assert script.main(["--tests", "4250"]) == 0
+    assert page.read_text() == f"intro\n{expected}\n"
+    assert script.main(["--check", "--tests", "4250"]) == 0
