@@ -123,8 +123,7 @@ def plan_run(cfg: DictConfig, device: torch.device) -> Built:
     dims = ModelDims(d_model=model_cfg.d_model, n_heads=model_cfg.n_heads, n_layers=model_cfg.n_layers,
                      **positions.model_extents(task, train_length), causal=model_cfg.causal,
                      vocab_size=task.vocab_size)
-    with torch.device("meta"):
-        encoding = instantiate(cfg.encoding)(dims=dims)
+    encoding = planned_encoding(cfg, dims)
     trains = int(cfg.train.steps) > 0
     windowed = model_cfg.window is not None
     backend = measured_backend(cfg.backend.name, encoding, device, task.sequence_length(train_length),
@@ -146,6 +145,20 @@ def plan_run(cfg: DictConfig, device: torch.device) -> Built:
     if task.memory:  # evaluation with segment recurrence: refuse before training
         model.check_recurrent()
     return Built(task, encoding, model, positions, backend.name, train_length, lengths, eval_backends=eval_backends)
+
+
+def planned_encoding(cfg: DictConfig, dims: ModelDims) -> Encoding:
+    """The encoding on the meta device, so a table sized by length allocates nothing. A constructor that
+    reads tensor values (rope's scalings and cuts compare frequencies) cannot run there: it is built on the
+    CPU, where only the small tables of such encodings are made."""
+    try:
+        with torch.device("meta"):
+            return instantiate(cfg.encoding)(dims=dims)
+    except (NotImplementedError, RuntimeError) as err:
+        if "meta" not in str(err).lower():
+            raise
+    with torch.device("cpu"):
+        return instantiate(cfg.encoding)(dims=dims)
 
 
 def checkpoint_path(init_from: str) -> Path:

@@ -754,8 +754,8 @@ def write_report(paths, out=None, metric: str | None = None, threshold: float = 
         raise ValueError(f"--metric {metric!r} is not a headline metric; choose one of {list(HEADLINE_METRICS)}")
     if not 0 < threshold <= 1:
         raise ValueError(f"--threshold {threshold} must be in (0, 1]: it applies to accuracies")
+    frame = collect(paths)  # before output_directory: a missing input path is named, not made
     out = output_directory(out, paths[0])
-    frame = collect(paths)
     if metric is not None and (metric not in frame or frame[metric].isna().all()):
         present = [m for m in HEADLINE_METRICS if m in frame and frame[m].notna().any()]
         raise ValueError(f"--metric {metric}: no row measures it; these rows measure {present}")

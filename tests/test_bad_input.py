@@ -272,11 +272,11 @@ def test_a_run_directory_that_is_a_file_is_named(below, tmp_path):
     assert file.read_text() == "mine\n"
 
 
-def test_report_out_at_a_regular_file_is_named(tmp_path):
+def test_report_out_at_a_regular_file_is_named(tmp_path, finished_run):
     file = tmp_path / "report.txt"
     file.write_text("mine\n")
     for out in (file, file / "sub"):
-        result = posbench(str(tmp_path), "--out", str(out), module="posbench.report", check=False, timeout=120)
+        result = posbench(str(finished_run), "--out", str(out), module="posbench.report", check=False, timeout=120)
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
         assert f"--out {out}: {file} is a file, not a directory; --out names the directory the report is written " \
                "to" in result.stderr
