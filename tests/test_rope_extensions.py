@@ -11,7 +11,7 @@ import torch
 from posbench.encodings.base import ModelDims
 from posbench.encodings.rope import SCALINGS, RoPE, rope_inv_freq, rotate
 from posbench.encodings.xpos import XPos, xpos_zeta
-from tests.helpers import make_encoding, random_qk, rope_dims
+from tests.helpers import assert_close_scaled, make_encoding, random_qk, rope_dims
 
 HEADS, HEAD_DIM, SEQ = 2, 16, 24
 SCALED = sorted(set(SCALINGS) - {"none"})
@@ -242,8 +242,9 @@ def test_yarn_scales_the_logits_by_the_square_of_the_attention_factor(layout):
     pos = torch.arange(SEQ)[None]
     rq, rk = enc.qk(q, k, pos, pos, 0)
     plain = rotate(q, pos, inv_freq, layout) @ rotate(k, pos, inv_freq, layout).transpose(-1, -2)
-    torch.testing.assert_close(rq @ rk.transpose(-1, -2), plain * (0.1 * math.log(4) + 1) ** 2,
-                               rtol=1e-13, atol=1e-13)
+    # logits up to ~25: a rounding per product of the head_dim-long dot products
+    assert_close_scaled(rq @ rk.transpose(-1, -2), plain * (0.1 * math.log(4) + 1) ** 2, ulps=HEAD_DIM,
+                        name="logits")
     assert factor == pytest.approx(0.1 * math.log(4) + 1, rel=1e-15)
 
 
@@ -399,7 +400,9 @@ def test_xpos_logits_match_the_formula(start, scale_base):
     pos = (torch.arange(SEQ) + start)[None]
     rq, rk = XPos(dims(), layout="interleaved", scale_base=scale_base).double().qk(q, k, pos, pos, 0)
     expected = reference_xpos_logits(q, k, pos, pos, scale_base=scale_base)
-    torch.testing.assert_close(rq @ rk.transpose(-1, -2), expected, rtol=1e-10, atol=1e-12)
+    # logits up to ~130, rotated by angles up to start + SEQ radians (rounded to that many ulps) and summed
+    # over head_dim features
+    assert_close_scaled(rq @ rk.transpose(-1, -2), expected, ulps=start + SEQ + HEAD_DIM, name="logits")
 
 
 def test_xpos_stays_finite_at_large_positions_in_float32():
@@ -435,8 +438,8 @@ def test_xpos_layouts_agree_up_to_feature_permutation():
     perm = torch.cat([torch.arange(0, HEAD_DIM, 2), torch.arange(1, HEAD_DIM, 2)])
     q_int, k_int = XPos(dims(), layout="interleaved").double().qk(q, k, pos, pos, 0)
     q_half, k_half = XPos(dims(), layout="half").double().qk(q[..., perm], k[..., perm], pos, pos, 0)
-    torch.testing.assert_close(q_half, q_int[..., perm], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(k_half, k_int[..., perm], rtol=1e-12, atol=1e-12)
+    assert_close_scaled(q_half, q_int[..., perm], rtol=1e-12, name="q")  # xpos-scaled up to ~80
+    assert_close_scaled(k_half, k_int[..., perm], rtol=1e-12, name="k")
 
 
 def test_xpos_centres_each_row_on_its_positions():
