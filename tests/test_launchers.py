@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -183,3 +184,29 @@ def test_a_refused_point_is_recorded_and_the_sweep_goes_on(launcher, tmp_path):
     assert refused["phase"] == "build" and "train.grad_clip" in refused["error"]
     assert [s["state"] for s in statuses.values()].count("ok") == 1
     assert len(list(tmp_path.rglob("results.jsonl"))) == 1
+
+
+def test_quickstart_sweeps_four_encodings_on_copy_with_the_stop():
+    cfg = multirun_config("experiment=quickstart")
+    assert sweep_values(cfg.hydra.sweeper.params, "encoding") == sorted(["nope", "rope", "alibi", "t5"])
+    assert cfg.hydra.sweep.dir == "results/sweeps/quickstart"  # the README's report command names it
+    job = multirun_config("experiment=quickstart", "encoding=rope")
+    assert job.task._target_ == "tasks.copy.Copy" and job.task.variant == "rsc" and job.task.eos
+    assert (job.train.length, job.train.steps, job.train.lr) == (16, 1000, 1e-3)
+
+
+def test_the_committed_quickstart_learns_and_the_report_ranks_it(tmp_path):
+    """results/reference/quickstart: the sweep as the README runs it; its runs compose to their rows' hash
+    today, each is learned at N, and the report ranks all four (NoPE first: it counts past N)."""
+    runs = sorted((ROOT / "results" / "reference" / "quickstart").glob("*experiment=quickstart*"))
+    assert len(runs) == 4
+    for run in runs:
+        composed, row = composed_group_hash(run)
+        assert composed == row["config_hash"], run.name
+    from posbench.report import write_report
+
+    write_report([ROOT / "results" / "reference" / "quickstart"], out=tmp_path)
+    headline = pd.read_csv(tmp_path / "headline.csv").sort_values("rank_in_task")
+    assert sorted(headline["encoding"]) == ["alibi", "nope", "rope", "t5"]
+    assert headline["learned"].all() and (headline["id_score_mean"] >= 0.9).all(), headline
+    assert headline["rank_in_task"].notna().all() and headline.iloc[0]["encoding"] == "nope", headline
