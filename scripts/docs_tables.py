@@ -205,6 +205,32 @@ def core_copy_sort() -> str:
                      extra={"train s": train_seconds(s, by_task_encoding)})
 
 
+def quickstart() -> str:
+    """The README's first sweep, in its report's order: exact match by length, the OOD score, the rank."""
+    s = study("quickstart")
+    head = headline_by(s, by_encoding)
+    order = sorted(head, key=lambda k: (head[k]["rank_in_task"], k))
+    return by_length(s, "exact_match", by_encoding, ["encoding"], order, by="ratio",
+                     length_name=lambda r: "N" if r == 1 else f"{r:g}N",
+                     extra={"past N (OOD)": {k: num(r["ood_score_mean"]) for k, r in head.items()},
+                            "rank": {k: f"{r['rank_in_task']:.0f}" for k, r in head.items()}})
+
+
+def default_job_seeds() -> str:
+    """Exact match at N of the default job, seeds x CPU kernel settings (scripts/default_job_seeds.py)."""
+    rows = list(csv.DictReader((REFERENCE / "default_job_seeds.csv").open()))
+    seeds = sorted({int(r["seed"]) for r in rows})
+    cells: dict = {}
+    for r in rows:
+        schedule = "3,500 steps (the default)" if not r["overrides"] else f"`{r['overrides']}`"
+        cells.setdefault((schedule, f"`{r['setting']}`"), {})[int(r["seed"])] = num(float(r["exact_match_at_n"]))
+    settings = [f"`{name}`" for name in dict.fromkeys(r["setting"] for r in rows)]  # the file's order
+    order = sorted(cells, key=lambda k: (k[0] != "3,500 steps (the default)", k[0], settings.index(k[1])))
+    return table(["schedule", "CPU kernels", *(f"seed {s}" for s in seeds)],
+                 [[*k, *(cells[k].get(s, "") for s in seeds)] for k in order],
+                 ["---", "---"] + ["---:"] * len(seeds))
+
+
 def catalogue_copy() -> str:
     s, long = study("catalogue_copy"), study("catalogue_copy_20k")
     key = lambda p: (p["encoding"], p["backend"])  # noqa: E731
@@ -677,7 +703,7 @@ def gpu_sweep() -> str:
 
 
 TABLES = {f.__name__.replace("_", "-"): f for f in (
-    glance, core_copy_sort, catalogue_copy, randomized_copy, chomsky_encoder, kazemnejad_causal, addition_20k,
+    glance, quickstart, default_job_seeds, core_copy_sort, catalogue_copy, randomized_copy, chomsky_encoder, kazemnejad_causal, addition_20k,
     grid_extrapolation, scale_study, scale_study_eos, scale_study_medium, report_sweep, lm_extrapolation,
     lm_extrapolation_sliding, lm_memory, rope_scaling, rope_finetune, frontier_glance, frontier_claims,
     frontier_copy, frontier_flip_flop_sparse, frontier_wikitext, frontier_counting, gpu_encodings, gpu_default_job,

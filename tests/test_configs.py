@@ -96,7 +96,7 @@ def test_task_training_defaults_apply_under_command_line_and_experiments():
     lm = compose_cfg("task=wikitext")
     assert (lm.train.lengths, lm.train.steps, lm.train.batch_size) == ("fixed", 2000, 32)
     copy = compose_cfg("task=copy").train
-    assert (copy.steps, copy.lr, copy.min_lr_ratio) == (2500, 3e-3, 0.01)
+    assert (copy.steps, copy.lr, copy.min_lr_ratio) == (3500, 3e-3, 0.01)
     assert compose_cfg("task=sort").train.steps == 10000
     for experiment in ("scale_study", "synthetic_suite"):  # they pin the general defaults their rows trained with
         pinned = compose_cfg(f"experiment={experiment}", "task=copy").train

@@ -15,7 +15,7 @@ from tests.helpers import ROOT
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^\s*```")
-README_LINES = 150
+README_LINES = 160  # a front door: the default job, the quickstart, the glance tables, the docs
 INSTALL_AND_RUN = "bash scripts/install.sh && python -m posbench encoding=rope task=copy"
 INSTALL_AND_TEST = "bash scripts/install.sh dev && python -m pytest"
 
