@@ -256,3 +256,61 @@ def test_a_composite_or_schedule_follows_its_parts_relative_trait_past_n():
         enc.set_eval_length(64, 256)
         enc.train()
         assert enc.relative, enc.name
+
+
+def test_every_hook_of_the_table_has_a_combination(monkeypatch):
+    """Each hook of posbench.hooks is combined by its rule, none left to Encoding's "no change" (which would
+    drop the parts' terms); a hook the table gains without a combination, or a rule composite does not know,
+    fails construction naming it."""
+    from posbench.encodings.composite import COMBINE_RULES, Composite
+    from posbench.hooks import HOOKS, Hook
+
+    assert [name for name in HOOKS if getattr(Composite, name) is getattr(Encoding, name)] == []
+    assert {hook.combine for hook in HOOKS.values()} <= set(COMBINE_RULES)
+    monkeypatch.setitem(HOOKS, "fake", Hook("fake", "a test hook", frozenset({"eager"}), False, "sum"))
+    with pytest.raises(TypeError, match=r"no combination of hook\(s\) \{'fake': 'sum'\}"):
+        make_encoding("composite", parts=["rope", "t5"])
+    monkeypatch.delitem(HOOKS, "fake")
+    monkeypatch.setitem(HOOKS, "bias", Hook("bias", "a bias", frozenset({"eager"}), True, "max"))
+    with pytest.raises(TypeError, match=r"no combination of hook\(s\) \{'bias': 'max'\}"):
+        make_encoding("composite", parts=["rope", "t5"])
+
+
+def test_query_scales_multiply():
+    enc = make_encoding("composite", d_model=D_MODEL, n_heads=HEADS, parts=["ssmax", "temperature"],
+                        part_params={"temperature": {"floor_scale": 2}})
+    torch.nn.init.normal_(enc.parts[0].scale)
+    pos = torch.arange(LENGTH)[None]
+    call = AttentionCall(enc, pos, pos, 0, True, x=torch.zeros(1, LENGTH, D_MODEL))
+    factors = [part.query_scale(call) for part in enc.parts]  # [1, H, L, 1], [1, 1, L, 1]
+    assert not torch.equal(factors[1], torch.ones_like(factors[1]))
+    torch.testing.assert_close(enc.query_scale(call), factors[0] * factors[1], rtol=0, atol=0)
+
+
+class ShiftKeys(Encoding):
+    """Test part: kv adds 1 to the keys and doubles the values."""
+    name = "shift_keys"
+    hooks = frozenset({"kv"})
+
+    def kv(self, k, v, call):
+        return k + 1, 2 * v
+
+
+class SquareKeys(ShiftKeys):
+    """Test part: kv squares the keys and leaves the values."""
+    name = "square_keys"
+
+    def kv(self, k, v, call):
+        return k ** 2, v
+
+
+def test_kv_in_sequence_threads_keys_and_values(monkeypatch):
+    monkeypatch.setitem(REGISTRY, "shift_keys", ShiftKeys)
+    monkeypatch.setitem(REGISTRY, "square_keys", SquareKeys)
+    _, k, v = qkv()
+    pos = torch.arange(LENGTH)[None]
+    for order, keys, values in ((["shift_keys", "square_keys"], (k + 1) ** 2, 2 * v),
+                                (["square_keys", "shift_keys"], k ** 2 + 1, 2 * v)):
+        enc = make_encoding("composite", d_model=D_MODEL, n_heads=HEADS, parts=order)
+        got = enc.kv(k, v, AttentionCall(enc, pos, pos, 0, True))
+        torch.testing.assert_close(got, (keys, values), rtol=0, atol=0)

@@ -238,3 +238,11 @@ def test_keys_seen_counts_the_visible_keys_of_every_block(causal):
             first = max(0, start - window + 1) if causal and window else 0
             block = call.block(start, stop, first, end, None, False)
             assert block.keys_seen().tolist() == call.keys_seen()[start:stop].tolist()
+
+
+def test_a_hook_without_forwarding_fails_the_schedule_naming_it(monkeypatch):
+    """A hook the table gains after Schedule's forwarders were made would reach no layer: refused by name."""
+    from posbench.hooks import Hook
+    monkeypatch.setitem(HOOKS, "fake", Hook("fake", "a test hook", frozenset({"eager"}), False, "sum"))
+    with pytest.raises(TypeError, match=r"no forwarding of hook\(s\) \['fake'\]"):
+        make_encoding("schedule", d_model=D_MODEL, n_heads=HEADS)

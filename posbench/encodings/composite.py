@@ -6,7 +6,8 @@ parameters: `parts=[rope, t5]`, `part_params={t5: {num_buckets: 16}}`. A name ap
 most once (its parameters are keyed by name), and a composite cannot be a part.
 
 How the parts' hooks combine, in the fixed order of posbench.hooks (the parts' order
-is the order of `parts`; the table's `combine` column):
+is the order of `parts`): by the table's `combine` column, one rule for every hook
+(Composite.combine), embed alone written out; a hook without a combination fails construction.
   embed        one part: its own. Several: `embed_rule=error` (default) refuses them;
                `embed_rule=sum` adds each part's position vector to the token embedding,
                x + p_1 + p_2 + ... (each part's embed applied in turn). A part that
@@ -53,6 +54,7 @@ from posbench.encodings.base import Encoding, ModelDims, check_choice
 from posbench.hooks import HOOKS
 
 EMBED_RULES = ("error", "sum")
+COMBINE_RULES = ("sum", "product", "sequence", "one")  # the values of the table's combine column
 DEFAULT_PARTS = ("rope", "t5")
 
 
@@ -67,6 +69,11 @@ class Composite(Encoding):
         super().__init__(dims)
         from posbench.encodings import REGISTRY  # lazily: the registry imports this module
 
+        uncombined = uncombined_hooks(type(self))
+        if uncombined:  # a hook added to the table after this module was imported, or with a new rule
+            rules = {name: HOOKS[name].combine for name in uncombined}
+            raise TypeError(f"composite: no combination of hook(s) {rules} (combine rules: {list(COMBINE_RULES)}); "
+                            "a composite would drop their parts' terms")
         check_choice("composite", "embed_rule", embed_rule, EMBED_RULES)
         names = parse_parts(parts, REGISTRY)
         params_by_name = parse_part_params(part_params, names)
@@ -147,50 +154,30 @@ class Composite(Encoding):
     def logit_scale(self, head_dim: int) -> float:
         return agreed_logit_scale(self.name, self.parts, head_dim, super().logit_scale(head_dim))
 
+    def combine(self, hook: str, *args):
+        """The parts' `hook` combined by the table's rule: sum or product of their terms (None, no term, left
+        out), sequence (each part's output replaces the leading inputs of the next: one tensor, or a tuple such
+        as kv's (k, v)), one (the only owner, checked at construction). No part: Encoding's "no change"."""
+        parts = self.parts_with(hook)
+        if not parts:
+            return getattr(Encoding, hook)(self, *args)
+        rule = HOOKS[hook].combine
+        out = getattr(parts[0], hook)(*args)
+        for part in parts[1:]:
+            if rule == "sequence":
+                args = (*out, *args[len(out):]) if isinstance(out, tuple) else (out, *args[1:])
+                out = getattr(part, hook)(*args)
+            else:
+                out = combined_terms(rule, out, getattr(part, hook)(*args))
+        return out
+
     def embed(self, x, pos, ids):
-        for part in self.parts_with("embed"):  # additive parts: x + p_1 + p_2 + ...
+        # sum: each part's embed returns its input plus its position vector, so in turn x + p_1 + p_2 + ...
+        for part in self.parts_with("embed"):
             x = part.embed(x, pos, ids)  # [B, L, D]
         return x
 
-    def kv(self, k, v, call):
-        for part in self.parts_with("kv"):
-            k, v = part.kv(k, v, call)  # [B, H, Lk, d] each
-        return k, v
-
-    def qk(self, q, k, q_pos, k_pos, layer):
-        for part in self.parts_with("qk"):  # at most one (checked at construction)
-            q, k = part.qk(q, k, q_pos, k_pos, layer)
-        return q, k
-
-    def query_scale(self, call):
-        scale = None
-        for part in self.parts_with("query_scale"):
-            factor = part.query_scale(call)  # [B|1, H|1, Lq, 1]
-            scale = factor if scale is None else scale * factor
-        return scale
-
-    def decay(self, call):
-        return sum_terms(part.decay(call) for part in self.parts_with("decay"))  # [B|1, H, Lk]
-
-    def logit_transform(self, logits, q, k, call):
-        for part in self.parts_with("logit_transform"):
-            logits = part.logit_transform(logits, q, k, call)  # [B, H, Lq, Lk]
-        return logits
-
-    def output(self, y, x, layer):
-        for part in self.parts_with("output"):
-            y = part.output(y, x, layer)  # [B, H, Lq, d]
-        return y
-
-    def normalize(self, logits, v, call):
-        for part in self.parts_with("normalize"):  # at most one (checked at construction)
-            return part.normalize(logits, v, call)
-        return super().normalize(logits, v, call)
-
-    def bias(self, q_pos, k_pos, layer):
-        return sum_terms(part.bias(q_pos, k_pos, layer) for part in self.parts_with("bias"))  # [B', H, Lq, Lk]
-
-    def score_mod(self, q_pos, k_pos, layer):
+    def score_mod(self, q_pos, k_pos, layer):  # the summed bias, one score at a time
         mods = [part.score_mod(q_pos, k_pos, layer) for part in self.parts_with("bias")]
         if not mods or any(mod is None for mod in mods):
             return None
@@ -202,18 +189,32 @@ class Composite(Encoding):
 
         return composite
 
-    def key_term(self, q, k, q_pos, k_pos, layer):
-        return sum_terms(part.key_term(q, k, q_pos, k_pos, layer)
-                         for part in self.parts_with("key_term"))  # [B, H, Lq, Lk]
 
-    def prob(self, p, q_pos, k_pos, layer):
-        for part in self.parts_with("prob"):
-            p = part.prob(p, q_pos, k_pos, layer)  # [B, H, Lq, Lk]
-        return p
+def combiner(hook: str):
+    """Composite's method for `hook`: Composite.combine(hook, ...)."""
+    def combined(self, *args):
+        return self.combine(hook, *args)
 
-    def value_term(self, p, q_pos, k_pos, layer):
-        return sum_terms(part.value_term(p, q_pos, k_pos, layer)
-                         for part in self.parts_with("value_term"))  # [B, H, Lq, d]
+    combined.__name__, combined.__qualname__ = hook, f"Composite.{hook}"
+    return combined
+
+
+for _hook in HOOKS:  # every hook the class does not combine by hand (embed) gets the table's rule
+    if _hook not in vars(Composite):
+        setattr(Composite, _hook, combiner(_hook))
+
+
+def uncombined_hooks(cls) -> list[str]:
+    """The hooks of the table that `cls` leaves to Encoding's "no change", or whose rule it does not know."""
+    return [name for name, hook in HOOKS.items()
+            if getattr(cls, name, None) is getattr(Encoding, name, None) or hook.combine not in COMBINE_RULES]
+
+
+def combined_terms(rule: str, total, term):
+    """total + term (sum) or total * term (product), broadcasting; None (no term) leaves the other."""
+    if total is None or term is None:
+        return term if total is None else total
+    return total + term if rule == "sum" else total * term
 
 
 def agreed_logit_scale(owner: str, parts, head_dim: int, default: float) -> float:
@@ -228,15 +229,6 @@ def agreed_logit_scale(owner: str, parts, head_dim: int, default: float) -> floa
         raise ValueError(f"{owner}: parts disagree on the logit scale {overrides} (head size {head_dim}); "
                          "combine parts that keep the same scale")
     return next(iter(overrides.values()), default)
-
-
-def sum_terms(terms):
-    """The sum of the terms that are not None (broadcasting), or None when all are."""
-    total = None
-    for term in terms:
-        if term is not None:
-            total = term if total is None else total + term
-    return total
 
 
 def parse_parts(parts, registry: dict) -> list[str]:

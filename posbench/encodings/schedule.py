@@ -21,6 +21,7 @@ from torch import nn
 
 from posbench.encodings.base import Encoding, ModelDims
 from posbench.encodings.composite import agreed_logit_scale, build_part
+from posbench.hooks import HOOKS
 
 DEFAULT_PATTERN = ("rope", "rope", "rope", "nope")
 
@@ -38,6 +39,10 @@ class Schedule(Encoding):
         super().__init__(dims)
         from posbench.encodings import REGISTRY  # lazily: the registry imports this module
 
+        unforwarded = unforwarded_hooks(type(self))
+        if unforwarded:  # a hook added to the table after this module was imported
+            raise TypeError(f"schedule: no forwarding of hook(s) {unforwarded} to the layers' encodings; a schedule "
+                            "would drop them")
         self.pattern, self.kinds = parse_pattern(pattern, kinds, REGISTRY)
         self.layers = [self.pattern[layer % len(self.pattern)] for layer in range(dims.n_layers)]
         built = {}
@@ -84,53 +89,36 @@ class Schedule(Encoding):
     def logit_scale(self, head_dim: int) -> float:
         return agreed_logit_scale(self.name, self.entries.values(), head_dim, super().logit_scale(head_dim))
 
-    def kv(self, k, v, call):
-        enc = self.at(call.layer)
-        return enc.kv(k, v, call) if "kv" in enc.hooks else (k, v)
-
-    def qk(self, q, k, q_pos, k_pos, layer):
-        enc = self.at(layer)
-        return enc.qk(q, k, q_pos, k_pos, layer) if "qk" in enc.hooks else (q, k)
-
-    def query_scale(self, call):
-        enc = self.at(call.layer)
-        return enc.query_scale(call) if "query_scale" in enc.hooks else None
-
-    def decay(self, call):
-        enc = self.at(call.layer)
-        return enc.decay(call) if "decay" in enc.hooks else None
-
-    def bias(self, q_pos, k_pos, layer):
-        enc = self.at(layer)
-        return enc.bias(q_pos, k_pos, layer) if "bias" in enc.hooks else None
+    def forward_hook(self, hook: str, *args):
+        """The layer's encoding's `hook`, "no change" where it lacks it; every hook of a layer takes the layer or
+        the call (call.layer) last."""
+        last = args[-1]
+        enc = self.at(last if isinstance(last, int) else last.layer)
+        return getattr(enc, hook)(*args) if hook in enc.hooks else getattr(Encoding, hook)(self, *args)
 
     def score_mod(self, q_pos, k_pos, layer):
         enc = self.at(layer)
         return enc.score_mod(q_pos, k_pos, layer) if "bias" in enc.hooks else identity_score_mod
 
-    def key_term(self, q, k, q_pos, k_pos, layer):
-        enc = self.at(layer)
-        return enc.key_term(q, k, q_pos, k_pos, layer) if "key_term" in enc.hooks else None
 
-    def logit_transform(self, logits, q, k, call):
-        enc = self.at(call.layer)
-        return enc.logit_transform(logits, q, k, call) if "logit_transform" in enc.hooks else logits
+def forwarder(hook: str):
+    """Schedule's method for `hook`: Schedule.forward_hook(hook, ...)."""
+    def forwarded(self, *args):
+        return self.forward_hook(hook, *args)
 
-    def normalize(self, logits, v, call):
-        enc = self.at(call.layer)
-        return enc.normalize(logits, v, call) if "normalize" in enc.hooks else super().normalize(logits, v, call)
+    forwarded.__name__, forwarded.__qualname__ = hook, f"Schedule.{hook}"
+    return forwarded
 
-    def prob(self, p, q_pos, k_pos, layer):
-        enc = self.at(layer)
-        return enc.prob(p, q_pos, k_pos, layer) if "prob" in enc.hooks else p
 
-    def value_term(self, p, q_pos, k_pos, layer):
-        enc = self.at(layer)
-        return enc.value_term(p, q_pos, k_pos, layer) if "value_term" in enc.hooks else None
+for _hook in HOOKS:  # embed acts on the model input, not on a layer: an entry with it is refused
+    if _hook != "embed":
+        setattr(Schedule, _hook, forwarder(_hook))
 
-    def output(self, y, x, layer):
-        enc = self.at(layer)
-        return enc.output(y, x, layer) if "output" in enc.hooks else y
+
+def unforwarded_hooks(cls) -> list[str]:
+    """The layer hooks of the table that `cls` leaves to Encoding's "no change"."""
+    return [name for name in HOOKS
+            if name != "embed" and getattr(cls, name, None) is getattr(Encoding, name, None)]
 
 
 def parse_pattern(pattern, kinds, registry: dict) -> tuple[list[str], dict[str, dict]]:
