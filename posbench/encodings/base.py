@@ -2,12 +2,14 @@
 
 Order inside one attention layer (declared in `posbench.hooks`, applied by `posbench.attention`):
 
-    embed (model input) -> qk -> query_scale -> logits = q.k^T * scale + decay + bias + key_term
-    -> logit_transform -> mask -> normalize (softmax by default) -> prob -> p.V + value_term
+    embed (model input) -> kv -> qk -> query_scale -> logits = q.k^T * scale + decay + bias + key_term
+    -> logit_transform -> mask -> normalize (softmax by default) -> prob -> p.V + value_term -> output
 
 The position-only hooks (embed, qk, bias, key_term, prob, value_term) take positions and the
-layer; the hooks that see content (query_scale, decay, logit_transform, normalize) take the call
-(`posbench.attention.context.AttentionCall`: the layer's input x, the positions, the mask).
+layer; the hooks that see content (kv, query_scale, decay, logit_transform, normalize) take the call
+(`posbench.attention.context.AttentionCall`: the layer's input x, the positions, the mask), and
+output takes the heads' output and the layer's input at the queries. Every hook sees one block of
+queries at a time (docs/adding-an-encoding.md, "The hooks").
 
 Positions are always passed in explicitly, shaped [B', L] with B' either 1 (shared
 by the batch) or B (one row per sequence), so that randomized positions, offsets
