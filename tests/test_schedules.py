@@ -41,7 +41,7 @@ def test_a_sliding_window_is_the_banded_softmax(backend, causal):
     x = torch.randn(2, 13, D_MODEL, dtype=torch.float64)
     with torch.no_grad():
         got = attn(x, PositionContext(enc, torch.arange(13)[None]))
-    torch.testing.assert_close(got, banded_attention(x, attn, 4, causal), rtol=0, atol=1e-12)
+    assert_close_scaled(got, banded_attention(x, attn, 4, causal), rtol=0, atol_scale=1e-12, name="windowed output")
 
 
 def test_a_window_beside_a_learned_bias_keeps_the_bias_and_its_gradient():
