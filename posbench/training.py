@@ -187,6 +187,7 @@ def train(built: Built, cfg: DictConfig, device: torch.device, logger, checkpoin
             batch = task.train_sample(cfg_train.batch_size, length, built.train_length, generators["data"])
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, cfg_train)
+            built.encoding.set_train_step(step, cfg_train.steps)
             positions = built.positions.for_batch(batch, generators["data"])  # [1, T] or [1, T, 2]
             if fingerprint is not None:
                 fingerprint.add(batch, positions)

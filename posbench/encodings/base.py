@@ -103,6 +103,11 @@ class Encoding(nn.Module):
         training on up to train_positions: the one place for evaluation-time switches
         (RoPE scalings, table extensions). Default: nothing changes."""
 
+    def set_train_step(self, step: int, total: int) -> None:
+        """Called by the training loop before training step `step` (0-based) of `total` (train.steps): the one
+        place for training-phase switches (drope drops its rotation). A switch is a Python attribute, which a
+        compiled forward guards on (one recompile). Default: nothing changes."""
+
     def logit_scale(self, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
 
