@@ -102,7 +102,9 @@ def fused_causal_block(q, k, v, bias, scale: float) -> torch.Tensor:
     return ((out * weight + before * weight_before) / (weight + weight_before)).to(q.dtype)
 
 
-def fused_cpu_ok(q: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """The fused CPU flash kernel takes this call: CPU tensors, a 4-D bias or none, this torch has the kernel."""
+def fused_cpu_ok(q: torch.Tensor, bias: torch.Tensor | None = None, v: torch.Tensor | None = None) -> bool:
+    """The fused CPU flash kernel takes this call: CPU tensors, a 4-D bias or none, v (when given) as wide as q
+    and k (its one head size: q and k may be wider, pope), this torch has the kernel."""
     return (FUSED_CPU_FORWARD is not None and FUSED_CPU_BACKWARD is not None and q.device.type == "cpu"
-            and (bias is None or bias.dim() == 4) and q.dtype in (torch.float32, torch.float64, torch.bfloat16))
+            and (bias is None or bias.dim() == 4) and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
+            and (v is None or v.shape[-1] == q.shape[-1]))

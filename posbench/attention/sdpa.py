@@ -8,6 +8,8 @@
 - A sliding window: its band as -inf in the mask (with the bias, if any).
 - A bias on CPU: the fused flash kernel with the causal flag and the bias as its mask (posbench.attention
   .fused_cpu); elsewhere a 4-D float mask (a 3-D one would leave the fused kernels).
+- q and k wider than v (pope's 2d): torch's kernels that take two head sizes; the fused CPU one, which takes
+  one, is left for the mask.
 """
 from __future__ import annotations
 
@@ -50,8 +52,8 @@ class SdpaBackend(Backend):
                 torch.cat([v, zeros], dim=-1))  # [B, H, L, d + 1] each
 
     def attend(self, q, k, v, call):
-        head = q.shape[-1] - call.decay_room
-        scale = call.encoding.logit_scale(head)
+        width = v.shape[-1] - call.decay_room  # the output's: q and k may be wider (pope)
+        scale = call.encoding.logit_scale(q.shape[-1] - call.decay_room)
         if call.decay_room:
             write_decay_column(k, call, scale)
         elif call.k_levels is not None:
@@ -62,16 +64,16 @@ class SdpaBackend(Backend):
             zeros = torch.zeros(1, 1, *visible.shape, dtype=q.dtype, device=q.device)  # [1, 1, Lq, Lk]
             bias, causal = (zeros if bias is None else bias).masked_fill(~visible, float("-inf")), False
         out = self.attend_columns(q, k, v, bias, causal, scale)
-        return out[..., :head]  # [B, H, Lq, d]
+        return out[..., :width]  # [B, H, Lq, d]
 
     @staticmethod
     def attend_columns(q, k, v, bias, causal: bool, scale: float) -> torch.Tensor:
         square = q.shape[-2] == k.shape[-2]
         if bias is None and (not causal or square):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)  # [B, H, L, d]
-        if bias is not None and (square or not causal) and fused_cpu_ok(q, bias):
+        if bias is not None and (square or not causal) and fused_cpu_ok(q, bias, v):
             return FusedBiasAttention.apply(q, k, v, bias, causal, scale)  # [B, H, L, d]
-        if causal and not torch.is_grad_enabled() and fused_cpu_ok(q, bias):
+        if causal and not torch.is_grad_enabled() and fused_cpu_ok(q, bias, v):
             return fused_causal_block(q, k, v, bias, scale)  # [B, H, Lq, d]
         if bias is None:  # queries after a memory: is_causal would align them to the first keys
             bias = torch.zeros(1, 1, q.shape[-2], k.shape[-2], dtype=q.dtype, device=q.device)  # [1, 1, Lq, Lk]
