@@ -2,8 +2,9 @@
 with the backends that run it and how a composite combines its parts' hooks. Backends,
 validation, composites and the layer read this table; nothing else names the order.
 
-    embed (model input) -> kv -> qk -> query_scale -> logits = q.k^T * scale + decay + bias + key_term
-    -> logit_transform -> mask -> normalize (softmax by default) -> prob -> p.V + value_term -> output
+    embed (model input) -> kv -> qk -> query_scale -> layer_pass (once, every query) -> [per block of queries:]
+    logits = q.k^T * scale + decay + bias + key_term -> logit_transform -> mask -> normalize (softmax by
+    default) -> prob -> p.V + value_term -> output
 
 Hooks that see content receive the call (`posbench.attention.context.AttentionCall`): the
 layer's input, the positions, the mask, the layer. Today's position-only hooks keep their
@@ -32,6 +33,8 @@ HOOKS: dict[str, Hook] = {hook.name: hook for hook in (
     Hook("qk", "a position-dependent transform of q and k (rotations)", ALL_BACKENDS, False, "one"),
     Hook("query_scale", "q times a factor per query and head (keys seen: SSMax, temperature)",
          ALL_BACKENDS, False, "product"),
+    Hook("layer_pass", "once per layer over every query before the blocks: a state every block's hooks read "
+         "(call.layer_state; selective attention's selection sums)", ALL_BACKENDS, False, "one"),
     Hook("decay", "a causal bias c_i - c_j from per-token levels c (ALiBi causal, FoX's forget gates)",
          ALL_BACKENDS, False, "sum"),
     Hook("bias", "a [B', H, Lq, Lk] bias on the scaled logits", ALL_BACKENDS, True, "sum"),

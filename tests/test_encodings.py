@@ -212,6 +212,7 @@ def test_undeclared_hooks_change_nothing(case):
                  "prob": lambda: torch.equal(enc.prob(p, pos, pos, 0), p),
                  "value_term": lambda: enc.value_term(p, pos, pos, 0) is None,
                  "query_scale": lambda: enc.query_scale(call) is None,
+                 "layer_pass": lambda: enc.layer_pass(q, k, call) is None,
                  "decay": lambda: enc.decay(call) is None,
                  "logit_transform": lambda: torch.equal(enc.logit_transform(logits, q, k, call), logits),
                  "normalize": lambda: torch.equal(enc.normalize(logits, v, call)[0], logits.softmax(-1))

@@ -37,6 +37,9 @@ class AttentionCall:
     q_levels: torch.Tensor | None = None  # decay levels c at the queries [B|1, H, Lq]: bias c_i - c_j
     k_levels: torch.Tensor | None = None  # decay levels c at the keys [B|1, H, Lk]
     decay_room: bool = False  # q, k, v carry one more column, the backend's (Backend.decay_room), for the decay
+    block_starts: tuple[int, ...] = (0,)  # the layer's query blocks begin at these query indices
+    query_offset: int = 0  # this call's first query among the layer's queries (a block's start)
+    layer_state: object = None  # what the encoding's layer_pass returned for this layer and forward
 
     def __post_init__(self):
         if self.q_start < 0:
@@ -73,6 +76,7 @@ class AttentionCall:
         return dataclasses.replace(
             self, q_pos=self.q_pos[:, start:stop], k_pos=self.k_pos[:, first:end], bias=bias,
             mask_in_bias=mask_in_bias, q_start=self.q_start + start - first, first_key=self.first_key + first,
+            query_offset=self.query_offset + start,
             x=None if self.x is None else self.x[:, :self.first_key + end],  # from the start: a convolution's context
             q_levels=None if self.q_levels is None else self.q_levels[..., start:stop], k_levels=keys(self.k_levels))
 

@@ -32,8 +32,8 @@ DECAY_CHUNK = 1024  # queries per chunk in evaluation for a decay without logits
 
 
 def query_key_hooks(q: torch.Tensor, k: torch.Tensor, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """The hooks before the logits, for every query at once: qk, query_scale, and decay (its levels
-    go into the call); a layer of a schedule may answer None (no scale, no decay) to the last two.
+    """The hooks before the logits, for every query at once: qk, query_scale, layer_pass (its state goes
+    into the call) and decay (its levels too); a layer of a schedule may answer None (no scale, no decay).
     q: [B, H, Lq, d], k: [B, H, Lk, d] -> the same shapes."""
     encoding, hooks = call.encoding, call.encoding.hooks
     if "qk" in hooks:
@@ -41,6 +41,8 @@ def query_key_hooks(q: torch.Tensor, k: torch.Tensor, call: AttentionCall) -> tu
     scale = encoding.query_scale(call) if "query_scale" in hooks else None  # [B|1, H|1, Lq, 1]
     if scale is not None:
         q = q * scale  # [B, H, Lq, d]
+    if "layer_pass" in hooks:
+        call.layer_state = encoding.layer_pass(q, k, call)
     levels = encoding.decay(call) if "decay" in hooks else None  # [B|1, H, Lk]
     if levels is not None:
         call.q_levels, call.k_levels = levels[..., levels.shape[-1] - q.shape[-2]:], levels
@@ -76,8 +78,10 @@ class Attention(nn.Module):
                              x=x if memory is None else memory)
         if "kv" in encoding.hooks:
             k, v = encoding.kv(k, v, call)  # [B, H, Lk, d] each
-        q, k = query_key_hooks(q, k, call)
         block = self.query_block(encoding, b, length, k.shape[-2])
+        if block is not None:
+            call.block_starts = tuple(range(0, length, block))
+        q, k = query_key_hooks(q, k, call)
         if block is None:
             call.bias = positions.bias(self.layer) if self.backend.takes_bias else None
             y = self.backend.attend(q, k, v, call)  # [B, H, L, d]

@@ -4,30 +4,39 @@ from posbench.encodings.alibi import ALiBi
 from posbench.encodings.alibi_2d import ALiBi2D
 from posbench.encodings.base import HOOKS, Encoding, ModelDims
 from posbench.encodings.baselines import Binary, Index, Normalized
+from posbench.encodings.cable import CABLE
 from posbench.encodings.complex_order import ComplexOrder
 from posbench.encodings.composite import Composite
 from posbench.encodings.cope import CoPE
 from posbench.encodings.dape import DAPE
 from posbench.encodings.deberta import DeBERTa
+from posbench.encodings.drope import DroPE
 from posbench.encodings.fire import FIRE
 from posbench.encodings.floater import Floater
+from posbench.encodings.fope import FoPE
 from posbench.encodings.fox import FoX
+from posbench.encodings.gated import Gated
+from posbench.encodings.grape import GRAPE
 from posbench.encodings.hierarchical import Hierarchical
 from posbench.encodings.kerple import Kerple
 from posbench.encodings.learned import Learned
 from posbench.encodings.learned_2d import Learned2D
 from posbench.encodings.nope import NoPE
 from posbench.encodings.path import PaTH
+from posbench.encodings.pope import PoPE
 from posbench.encodings.rope import RoPE
 from posbench.encodings.rope_2d import RoPE2D, RoPEMixed
 from posbench.encodings.sandwich import Sandwich
+from posbench.encodings.scale_invariant import ScaleInvariant
 from posbench.encodings.schedule import Schedule
+from posbench.encodings.selective import Selective
 from posbench.encodings.self_extend import SelfExtend
 from posbench.encodings.shaw import Shaw
 from posbench.encodings.sinusoidal import Sinusoidal
 from posbench.encodings.sinusoidal_2d import Sinusoidal2D
 from posbench.encodings.ssmax import SSMax
 from posbench.encodings.stick_breaking import StickBreaking
+from posbench.encodings.string_rope import STRING
 from posbench.encodings.t5 import T5
 from posbench.encodings.t5_2d import T52D
 from posbench.encodings.temperature import Temperature
@@ -43,9 +52,11 @@ REGISTRY: dict[str, type[Encoding]] = {cls.name: cls for cls in (NoPE, Sinusoida
                                                                Composite,
                                                                Sinusoidal2D, Learned2D, RoPE2D, RoPEMixed, T52D,
                                                                ALiBi2D,
-                                                               FoX, SSMax,
+                                                               FoX, SSMax, CABLE, Gated,
                                                                CoPE, DAPE, StickBreaking,
-                                                               SelfExtend, Schedule, Temperature, PaTH)}
+                                                               SelfExtend, Schedule, Temperature, PaTH, DroPE,
+                                                               Selective, PoPE, FoPE, GRAPE,
+                                                               ScaleInvariant, STRING)}
 
 
 def get_encoding(name: str) -> type[Encoding]:

@@ -2,14 +2,16 @@
 
 Order inside one attention layer (declared in `posbench.hooks`, applied by `posbench.attention`):
 
-    embed (model input) -> kv -> qk -> query_scale -> logits = q.k^T * scale + decay + bias + key_term
-    -> logit_transform -> mask -> normalize (softmax by default) -> prob -> p.V + value_term -> output
+    embed (model input) -> kv -> qk -> query_scale -> layer_pass (once, every query) -> [per block of queries:]
+    logits = q.k^T * scale + decay + bias + key_term -> logit_transform -> mask -> normalize (softmax by
+    default) -> prob -> p.V + value_term -> output
 
 The position-only hooks (embed, qk, bias, key_term, prob, value_term) take positions and the
 layer; the hooks that see content (kv, query_scale, decay, logit_transform, normalize) take the call
 (`posbench.attention.context.AttentionCall`: the layer's input x, the positions, the mask), and
 output takes the heads' output and the layer's input at the queries. Every hook sees one block of
-queries at a time (docs/adding-an-encoding.md, "The hooks").
+queries at a time (docs/adding-an-encoding.md, "The hooks"), except layer_pass: it runs once per layer
+over every query, and what it returns reaches every block's hooks as call.layer_state.
 
 Positions are always passed in explicitly, shaped [B', L] with B' either 1 (shared
 by the batch) or B (one row per sequence), so that randomized positions, offsets
@@ -121,11 +123,18 @@ class Encoding(nn.Module):
 
     def qk(self, q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
            layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [B, H, Lq, d], k: [B, H, Lk, d] at q_pos [B', Lq(, 2)], k_pos [B', Lk(, 2)] -> the same shapes."""
+        """q: [B, H, Lq, d], k: [B, H, Lk, d] at q_pos [B', Lq(, 2)], k_pos [B', Lk(, 2)] -> the same, q and k may be wider (pope)."""
         return q, k
 
     def query_scale(self, call) -> torch.Tensor | None:
         """-> [B|1, H|1, Lq, 1], multiplying q after qk (call.keys_seen(): the keys each query attends)."""
+        return None
+
+    def layer_pass(self, q: torch.Tensor, k: torch.Tensor, call):
+        """Once per layer, before the blocks: q [B, H, Lq, d] (every query of the layer) and k [B, H, Lk, d]
+        after qk and query_scale; call.block_starts the queries (indices among them) where the blocks the
+        layer will attend begin -> any state, handed to every block's hooks as call.layer_state (each block's
+        call.query_offset says which block it is)."""
         return None
 
     def decay(self, call) -> torch.Tensor | None:
