@@ -3,18 +3,20 @@
 runs in. What posbench.training trains, posbench.evaluation evaluates and the scripts benchmark."""
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from posbench import gpu_slots
 from posbench.attention import crossover
 from posbench.attention.select import BACKENDS, measured_backend
+from posbench.encodings import REGISTRY
 from posbench.encodings.base import Encoding, ModelDims
 from posbench.guard import GuardResult, check_run, check_training, translate_oom
 from posbench.model import ModelConfig, Transformer
@@ -171,19 +173,46 @@ def checkpoint_path(init_from: str) -> Path:
     return path
 
 
+def encoding_settings(target: str, values: dict) -> dict:
+    """Every constructor parameter of the encoding class `target` at its value in `values`, else its default."""
+    parameters = inspect.signature(get_class(target)).parameters.values()
+    return {p.name: values.get(p.name, p.default) for p in parameters
+            if p.name != "dims" and p.kind is not inspect.Parameter.VAR_KEYWORD}
+
+
+def check_checkpoint_encoding(path: str, saved_encoding: dict, cfg: DictConfig) -> None:
+    """The checkpoint holds this run's encoding, or one whose checkpoints it loads (loads_checkpoints_of: drope,
+    string and self_extend a rope run's); then the settings both classes take must agree (string's base and
+    layout are the rope run's rotation)."""
+    target, saved_target = cfg.encoding._target_, saved_encoding.get("_target_")
+    if saved_target == target:
+        return
+    if saved_target not in get_class(target).loads_checkpoints_of:
+        loaders = sorted(name for name, cls in REGISTRY.items() if saved_target in cls.loads_checkpoints_of)
+        also = f" (or one that loads its checkpoints: {loaders})" if loaders else ""
+        raise ValueError(f"train.init_from={path} holds a model with encoding {saved_target}, not {target}: "
+                         f"choose the encoding it was trained with{also}")
+    ours = encoding_settings(target, OmegaConf.to_container(cfg.encoding, resolve=True))
+    theirs = encoding_settings(saved_target, saved_encoding)
+    differ = [f"encoding.{key}={value} (checkpoint: {theirs[key]})" for key, value in ours.items()
+              if key in theirs and value != theirs[key]]
+    if differ:
+        raise ValueError(f"train.init_from={path} holds a {saved_target} model; the settings {target} shares with "
+                         f"it must be the checkpoint's (its weights were trained with them): {', '.join(differ)}")
+
+
 def load_initial_weights(model: Transformer, path: str, cfg: DictConfig, device: torch.device) -> tuple[int, dict]:
     """Loads a checkpoint (train.init_from) into the model; returns the training steps it had and its config.
 
-    The checkpoint must hold the same encoding and architecture. With train.steps=0 the
-    run only evaluates, so it must keep the checkpoint's N: scalings and ratios refer to it."""
+    The checkpoint must hold the same encoding (or one whose checkpoints this one loads) and architecture.
+    With train.steps=0 the run only evaluates, so it must keep the checkpoint's N: scalings and ratios
+    refer to it."""
     checkpoint = load_checkpoint(Path(path), device, setting="train.init_from")
     saved = checkpoint["config"]
     if not all(isinstance(saved.get(key), dict) for key in ("encoding", "model", "train", "task")):
         raise ValueError(f"train.init_from={path}: its config lacks the encoding, model, train or task section; "
                          "it was not written by a posbench run")
-    if saved["encoding"].get("_target_") != cfg.encoding._target_:
-        raise ValueError(f"train.init_from={path} holds a model with encoding {saved['encoding']['_target_']}, "
-                         f"not {cfg.encoding._target_}: choose the encoding it was trained with")
+    check_checkpoint_encoding(path, with_added_settings(saved)["encoding"], cfg)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     differ = [f"model.{key}={model_cfg.get(key)} (checkpoint: {value})"
               for key, value in with_added_settings(saved)["model"].items() if model_cfg.get(key) != value]

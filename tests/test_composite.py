@@ -12,7 +12,7 @@ from posbench.encodings import REGISTRY
 from posbench.encodings.alibi import alibi_slopes
 from posbench.encodings.base import Encoding
 from posbench.encodings.sinusoidal import sinusoidal_table
-from tests.helpers import compose_cfg, make_encoding
+from tests.helpers import assert_close_scaled, compose_cfg, make_encoding
 
 D_MODEL, HEADS, LENGTH = 16, 2, 7
 HEAD = D_MODEL // HEADS
@@ -314,3 +314,50 @@ def test_kv_in_sequence_threads_keys_and_values(monkeypatch):
         enc = make_encoding("composite", d_model=D_MODEL, n_heads=HEADS, parts=order)
         got = enc.kv(k, v, AttentionCall(enc, pos, pos, 0, True))
         torch.testing.assert_close(got, (keys, values), rtol=0, atol=0)
+
+
+WIDENED = r"composite: parts \['pope'\] return q and k wider than the head size d = 8 from their qk hook; "
+READS = r"parts \['{}'\] read q or k themselves \(a key term or reads_query_key\) with tables as wide as the head"
+SCALE = r"parts \['{}'\] set their own logit scale \{{'{}': {}\}}, and beside the wider q and k \['pope'\] keep the head's"
+
+
+@pytest.mark.parametrize("parts,message", [
+    (["pope", "shaw"], WIDENED + READS.format("shaw")),
+    (["cope", "pope"], WIDENED + READS.format("cope")),  # whatever the order of the parts
+    (["pope", "path"], WIDENED + READS.format("path")),
+    (["pope", "tener"], WIDENED + READS.format("tener") + r".*; and " + SCALE.format("tener", "tener", "1.0")),
+    (["pope", "cable"], WIDENED + SCALE.format("cable", "cable", "1.0")),  # cable's logit_scale=none reads no q
+])
+def test_a_part_widening_q_and_k_is_refused_beside_a_reader_or_another_logit_scale(parts, message):
+    """Each of these failed in the forward before (a shape error, or 'parts disagree on the logit scale' at
+    head size 2d): refused at construction, naming both parts and why."""
+    with pytest.raises(ValueError, match=message):
+        make_encoding("composite", d_model=D_MODEL, n_heads=HEADS, parts=parts)
+
+
+@pytest.mark.parametrize("parts,part_params", [(["pope", "alibi"], None), (["pope", "fox"], None),
+                                               (["pope", "cable"], {"cable": {"logit_scale": "sqrt_d"}})])
+def test_a_part_widening_q_and_k_builds_beside_parts_that_read_only_logits(parts, part_params):
+    """pope's logits with alibi's or fox's decay or cable's: the composite's scale is pope's 1/sqrt(d) at q's 2d."""
+    enc = composite(parts, part_params=part_params)
+    assert enc.widens_query_key and not make_encoding("composite", parts=["rope", "alibi"]).widens_query_key
+    assert enc.logit_scale(2 * HEAD) == 1 / math.sqrt(HEAD)
+
+
+def test_pope_plus_alibi_equals_polar_logits_and_linear_bias_by_hand():
+    """PoPE written with complex numbers (Re sum_c conj(mu^q_c e^{i t theta_c}) mu^k_c e^{i (s theta_c + delta_c)},
+    theta_c = 10000^(-c/d), scaled 1/sqrt(d)) plus alibi's -m |t - s|, beside the 2d-wide q and k."""
+    enc = composite(["pope", "alibi"])
+    q, k, v = qkv()
+    pos = torch.arange(2, 2 + LENGTH)[None]
+    theta = torch.tensor([10000.0 ** (-c / HEAD) for c in range(HEAD)], dtype=torch.float64)  # [d]
+    delta = enc.parts[0].delta[0].detach().clamp(-2 * math.pi, 0)  # [H, d]
+    phase_q = pos[0, :, None] * theta  # [L, d]
+    phase_k = pos[0, :, None] * theta + delta[:, None, :]  # [H, L, d]
+    q_polar = torch.nn.functional.softplus(q) * torch.exp(1j * phase_q)  # [B, H, L, d]
+    k_polar = torch.nn.functional.softplus(k) * torch.exp(1j * phase_k)  # [B, H, L, d]
+    logits = (q_polar.conj() @ k_polar.transpose(-1, -2)).real / math.sqrt(HEAD)  # [B, H, L, L]
+    distance = (pos[0, :, None] - pos[0, None, :]).double()  # [L, L]
+    logits = logits - alibi_slopes(HEADS)[:, None, None] * distance.abs()
+    logits = logits.masked_fill(~causal_mask(LENGTH, LENGTH, q.device), float("-inf"))
+    assert_close_scaled(attend(enc, q, k, v, pos), logits.softmax(-1) @ v, rtol=1e-12, name="pope + alibi")

@@ -231,3 +231,31 @@ def test_bad_parameters_are_refused_naming_them(params, message):
 def test_registered_with_its_traits():
     cls = REGISTRY["drope"]
     assert (cls.hooks, cls.relative, cls.causal_only) == (frozenset({"qk"}), True, True)
+
+
+@pytest.mark.parametrize("encoding", [
+    ("encoding=drope", "encoding.drop_at=0.5"),
+    ("encoding=composite", "encoding.parts=[drope,alibi]", "+encoding.part_params={drope: {drop_at: 0.5}}"),
+    ("encoding=schedule", "encoding.pattern=[dropped]", "encoding.kinds={dropped: {encoding: drope, drop_at: 0.5}}"),
+])
+def test_a_drope_inside_a_composite_or_schedule_drops_at_the_step_drope_alone_does(monkeypatch, tmp_path, encoding):
+    """8 training steps at drop_at 0.5: the training loop's set_train_step reaches the part or entry, so steps 0-3
+    rotate q and k (2 rotations) and 4-7 do not, as drope alone; evaluation rotates nothing."""
+    rotations, per_step = [0], []
+    rotate, step = drope_module.rotate, training.train_step
+
+    def counting_rotate(*args):
+        rotations[0] += 1
+        return rotate(*args)
+
+    def recording_step(*args, **kwargs):
+        before = rotations[0]
+        result = step(*args, **kwargs)
+        per_step.append(rotations[0] - before)
+        return result
+
+    monkeypatch.setattr(drope_module, "rotate", counting_rotate)
+    monkeypatch.setattr(training, "train_step", recording_step)
+    rows = run(compose_cfg(*SMOKE, *encoding, "train.steps=8"), tmp_path)
+    assert per_step == [2] * 4 + [0] * 4 and rotations[0] == 8
+    assert [row["status"] for row in rows] == ["ok", "ok"]

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from posbench.build import build
+from posbench.evaluation import evaluate
 from posbench.runner import run
 from tests.helpers import compose_cfg
 
@@ -54,7 +55,8 @@ def test_missing_checkpoint_is_refused(tmp_path):
 def test_other_encoding_is_refused(trained):
     run_dir, _ = trained
     cfg = compose_cfg(*SMOKE[:1], "encoding=alibi", "task=copy", f"train.init_from={run_dir}")
-    with pytest.raises(ValueError, match="encoding posbench.encodings.rope.RoPE, not posbench.encodings.alibi"):
+    with pytest.raises(ValueError, match=r"encoding posbench.encodings.rope.RoPE, not posbench.encodings.alibi.*"
+                                         r"\(or one that loads its checkpoints: \['drope', 'self_extend', 'string'\]\)"):
         build(cfg, torch.device("cpu"))
 
 
@@ -88,3 +90,38 @@ def test_a_checkpoint_from_before_the_architecture_settings_is_read_at_their_ear
     build(compose_cfg(*SMOKE, f"train.init_from={tmp_path}"), torch.device("cpu"))  # gelu, layernorm, biases
     with pytest.raises(ValueError, match=r"another model: model.activation=relu \(checkpoint: gelu\)"):
         build(compose_cfg(*SMOKE, "model.activation=relu", f"train.init_from={tmp_path}"), torch.device("cpu"))
+
+
+def evaluated_on(weights: dict, *overrides: str) -> list[tuple]:
+    """The smoke model of these overrides with the weights loaded by hand, evaluated at N and 2N."""
+    cfg = compose_cfg(*overrides)
+    built = build(cfg, torch.device("cpu"))
+    built.model.load_state_dict(weights)
+    return [(length, *(evaluate(built, length, cfg.eval, torch.device("cpu"))[key]
+                       for key in ("exact_match", "token_acc", "loss"))) for length in built.lengths]
+
+
+@pytest.mark.parametrize("encoding", [("encoding=string",), ("encoding=drope", "encoding.drop_at=0")])
+def test_a_rope_run_evaluates_as_string_and_as_drope(trained, tmp_path, encoding):
+    """STRING and DroPE read a rope model's weights: an evaluation-only run from the rope checkpoint gives what
+    the encoding computes on those weights loaded by hand, not what rope computes."""
+    run_dir, rope_rows = trained
+    overrides = (SMOKE[0], *encoding, *SMOKE[2:])
+    rows = run(compose_cfg(*overrides, f"train.init_from={run_dir}", "train.steps=0"), tmp_path)
+    weights = torch.load(run_dir / "checkpoint.pt", weights_only=True)["model"]
+    assert metrics(rows) == evaluated_on(weights, *overrides)
+    assert metrics(rows)[1] != metrics(rope_rows)[1]  # at 2N: shifted distances, or no rotation at all
+    assert {(r["encoding"], r["init_steps"]) for r in rows} == {(encoding[0].split("=")[1], 20)}
+
+
+@pytest.mark.parametrize("encoding,message", [
+    (("encoding=string", "encoding.base=500"), r"encoding.base=500 \(checkpoint: 10000.0\)"),
+    (("encoding=self_extend", "encoding.layout=interleaved"), r"encoding.layout=interleaved \(checkpoint: half\)"),
+    (("encoding=drope", "encoding.drop_at=0", "encoding.base=500"), r"encoding.base=500 \(checkpoint: 10000.0\)"),
+])
+def test_a_rope_run_with_other_rotation_settings_is_refused_naming_them(trained, encoding, message):
+    run_dir, _ = trained
+    cfg = compose_cfg(SMOKE[0], *encoding, *SMOKE[2:], f"train.init_from={run_dir}", "train.steps=0")
+    with pytest.raises(ValueError, match=r"holds a posbench.encodings.rope.RoPE model; the settings posbench.encodings"
+                                         r".* shares with it must be the checkpoint's .*: " + message):
+        build(cfg, torch.device("cpu"))

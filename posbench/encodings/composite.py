@@ -14,7 +14,9 @@ is the order of `parts`): by the table's `combine` column, one rule for every ho
                replaces the token embedding instead of adding to it (complex_order,
                `replaces_token_embedding`) cannot be summed and is refused.
   qk           at most one part may own it: two rotations (rope + xpos) do not commute in
-               general, so their product would depend on the order; refused.
+               general, so their product would depend on the order; refused. A part whose
+               qk widens q and k (pope: 2d) beside one that reads q or k (key_term,
+               reads_query_key) or sets its own logit scale: refused.
   query_scale  multiplied (ssmax beside rope: the query rotated, then scaled).
   decay        the levels summed (alibi beside fox: c = c_alibi + c_fox).
   bias         summed.
@@ -28,10 +30,10 @@ is the order of `parts`): by the table's `combine` column, one rule for every ho
   logit_scale  the default 1/sqrt(d) unless a part overrides it (tener 1, deberta
                1/sqrt(3d)): one override, or several agreeing ones, win; two different
                overrides are refused.
-  set_eval_length  forwarded to every part.
+  set_eval_length, set_train_step  forwarded to every part.
 Traits come from the built parts: `hooks` is the union of theirs, `replaces_token_embedding`
-holds when a part's does. `relative` holds when every part is relative and no part's
-content term meets another part's rotation: attention applies `qk` before `key_term`
+and `widens_query_key` hold when a part's does. `relative` holds when every part is relative
+and no part's content term meets another part's rotation: attention applies `qk` before `key_term`
 whatever the order of `parts`, so a content term (shaw, transformer_xl, tener, deberta:
 q_i . r(i - j), u . k_j, ...) reads R_i q_i and R_j k_j, which depend on i and j themselves
 (rope or xpos beside one of them: shifting every position by 100 moves logits of unit-scale
@@ -83,10 +85,12 @@ class Composite(Encoding):
         self.hooks = frozenset().union(*(part.hooks for part in self.parts))
         self.relative = self.shift_invariant()
         self.replaces_token_embedding = any(part.replaces_token_embedding for part in self.parts)
+        self.widens_query_key = any(part.widens_query_key for part in self.parts)
         self.bias_layers_shared = all(part.bias_layers_shared for part in self.parts_with("bias"))
         self.flex_trains = all(part.flex_trains for part in self.parts)
         self.position_dims = self.check_position_dims()
         self.check_single_owners()
+        self.check_widened_query_key()
         self.logit_scale(dims.head_dim)  # conflicting overrides fail before training
 
     def check_single_owners(self) -> None:
@@ -111,6 +115,30 @@ class Composite(Encoding):
             if len(owners) > 1:
                 raise ValueError(f"composite: parts {[part.name for part in owners]} all have a {hook} hook "
                                  f"({HOOKS[hook].what}); at most one part may own it; keep one of them")
+
+    def check_widened_query_key(self) -> None:
+        """A part whose qk returns q and k wider than d (pope: 2d) beside a part that reads q or k themselves, or
+        that sets its own logit scale: attention takes the scale at q's width, which only the widening part reads
+        as d."""
+        wideners = [part.name for part in self.parts if part.widens_query_key]
+        if not wideners:
+            return
+        head_dim = self.dims.head_dim
+        default = Encoding.logit_scale(self, head_dim)
+        readers = [part.name for part in self.parts if "key_term" in part.hooks or part.reads_query_key]
+        scales = {part.name: part.logit_scale(head_dim) for part in self.parts
+                  if not part.widens_query_key and part.logit_scale(head_dim) != default}
+        reasons = []
+        if readers:
+            reasons.append(f"parts {readers} read q or k themselves (a key term or reads_query_key) with tables as "
+                           "wide as the head, which the wider q and k do not fit")
+        if scales:
+            reasons.append(f"parts {list(scales)} set their own logit scale {scales}, and beside the wider q and k "
+                           f"{wideners} keep the head's 1/sqrt(d) = {default:.4g}: one scale serves every part")
+        if reasons:
+            raise ValueError(f"composite: parts {wideners} return q and k wider than the head size d = {head_dim} from "
+                             f"their qk hook; {'; and '.join(reasons)}. Combine {wideners} only with parts that read "
+                             "no q or k and keep the scale 1/sqrt(d) (a bias, decay, prob, ...)")
 
     @property
     def bias_relative(self) -> bool:
@@ -140,6 +168,10 @@ class Composite(Encoding):
     def params(self) -> dict:
         return {"parts": [part.name for part in self.parts], "embed_rule": self.embed_rule,
                 **{part.name: part.params() for part in self.parts}}
+
+    def set_train_step(self, step: int, total: int) -> None:
+        for part in self.parts:
+            part.set_train_step(step, total)
 
     def set_eval_length(self, train_positions: int, eval_positions: int) -> None:
         for part in self.parts:

@@ -33,6 +33,7 @@ class DroPE(Encoding):
     hooks = frozenset({"qk"})
     relative = True  # rope before the drop, no position at all after it (the norm is per token)
     causal_only = True  # after the drop the causal mask is the only position signal
+    loads_checkpoints_of = ("posbench.encodings.rope.RoPE",)  # drop_at=0: recalibrating a rope run
 
     def __init__(self, dims: ModelDims, base: float = 10000.0, drop_at: float = 0.875, qk_norm: bool = False):
         super().__init__(dims)

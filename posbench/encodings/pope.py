@@ -42,6 +42,7 @@ class PoPE(Encoding):
     name = "pope"
     hooks = frozenset({"qk"})
     relative = True
+    widens_query_key = True  # q and k 2d wide
 
     def __init__(self, dims: ModelDims, base: float = 10000.0, delta_init: str = "zero"):
         super().__init__(dims)

@@ -48,6 +48,7 @@ class SelfExtend(RoPE):
     name = "self_extend"
     hooks = frozenset({"qk", "logit_transform"})
     relative = True  # in training and within the training length: rope
+    loads_checkpoints_of = ("posbench.encodings.rope.RoPE",)  # a rope run evaluated with SelfExtend
 
     def __init__(self, dims: ModelDims, base: float = 10000.0, layout: str = "half", rotary_fraction: float = 1.0,
                  group_size: int = 8, window: int | None = None, scale_base: int | None = None):

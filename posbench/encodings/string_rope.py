@@ -54,6 +54,7 @@ class STRING(RoPE):
     hooks = frozenset({"qk", "logit_transform"})
     relative = True  # both branches are functions of t = i - j
     causal_only = True
+    loads_checkpoints_of = ("posbench.encodings.rope.RoPE",)  # a rope run evaluated with STRING
 
     def __init__(self, dims: ModelDims, base: float = 10000.0, layout: str = "half", rotary_fraction: float = 1.0,
                  frequency_fraction: float = 1.0, frequency_cut: str = "none", shifted_offset: int | None = None,
