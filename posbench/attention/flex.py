@@ -22,8 +22,33 @@ from posbench.hooks import backend_hooks, backends_for
 
 BLOCK = 128  # queries and keys per block of the block mask (FlexAttention's default)
 CPU_TRAINING = ("backend=flex trains on CUDA only; on CPU it evaluates (forward only); "
-                "use backend=sdpa or auto for training")
+                "use backend=sdpa or auto for training (flex evaluates a trained model: train.steps=0 with "
+                "train.init_from)")
+# the causal mask_mod closes over lk - lq, a derived symbolic size under dynamic=True (pytorch issue 182606)
+IN_DYNAMIC_COMPILE = ("backend=flex cannot train inside a graph with dynamic shapes (train.compile=true): inductor "
+                      "failed to lower the compiled model's FlexAttention (torch 2.11, alibi and fox on an H200: "
+                      "ShapeAsConstantBuffer); use train.compile=static or graphs (a graph per shape), backend=auto "
+                      "(sdpa there) or train.compile=false")
 CUDA_MIN_HEAD_DIM = 16  # FlexAttention's compiled CUDA kernels refuse smaller heads (torch 2.11: "NYI")
+
+
+def flex_refusal(encoding: Encoding, head_dim: int, cuda: bool, training: bool, dynamic_compile: bool = False,
+                 compiled: bool = True) -> str | None:
+    """Why flex cannot run `encoding` here, or None where it can; flex's limits, checked here only (by the
+    backend, the choice of a backend and the build): it trains on CUDA only, never in a graph with dynamic
+    shapes (`dynamic_compile`), and only encodings whose score_mod torch differentiates (Encoding.flex_trains);
+    its compiled CUDA kernels need heads of at least CUDA_MIN_HEAD_DIM features."""
+    if training and dynamic_compile:
+        return IN_DYNAMIC_COMPILE
+    if training and not cuda:
+        return CPU_TRAINING
+    if cuda and compiled and head_dim < CUDA_MIN_HEAD_DIM:
+        return (f"backend=flex needs heads of at least {CUDA_MIN_HEAD_DIM} features on CUDA, got {head_dim} "
+                "(model.d_model / model.n_heads); use backend=sdpa or auto")
+    if cuda and training and not encoding.flex_trains:
+        return (f"backend=flex cannot train encoding {encoding.name} on CUDA: torch's FlexAttention cannot "
+                "differentiate its score_mod (Encoding.flex_trains); use backend=sdpa or auto")
+    return None
 
 
 @functools.cache
@@ -87,15 +112,10 @@ class FlexBackend(Backend):
     def attend(self, q, k, v, call):
         """As Backend.attend; a bias built by the caller is not used: the score_mod computes it per score."""
         training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        if q.device.type == "cpu" and training:
-            raise ValueError(CPU_TRAINING)
-        if q.is_cuda and self.compiled and min(q.shape[-1], v.shape[-1]) < CUDA_MIN_HEAD_DIM:
-            raise ValueError(f"backend=flex needs heads of at least {CUDA_MIN_HEAD_DIM} features on CUDA, got "
-                             f"{q.shape[-1]} (model.d_model / model.n_heads); use backend=sdpa or auto")
         encoding = call.encoding
-        if q.is_cuda and training and not encoding.flex_trains:
-            raise ValueError(f"backend=flex cannot train encoding {encoding.name} on CUDA: torch's FlexAttention cannot "
-                             "differentiate its score_mod (Encoding.flex_trains); use backend=sdpa or auto")
+        refusal = flex_refusal(encoding, min(q.shape[-1], v.shape[-1]), q.is_cuda, training, compiled=self.compiled)
+        if refusal:
+            raise ValueError(refusal)
         score_mod = encoding.score_mod(call.q_pos, call.k_pos, call.layer) if "bias" in encoding.hooks else None
         if call.k_levels is not None:
             score_mod = decay_score_mod(call, score_mod, torch.promote_types(q.dtype, torch.float32), q.shape[0])

@@ -6,16 +6,11 @@ import torch
 from posbench.attention import crossover
 from posbench.attention.backend import Backend
 from posbench.attention.eager import EagerBackend
-from posbench.attention.flex import CUDA_MIN_HEAD_DIM, FlexBackend
+from posbench.attention.flex import IN_DYNAMIC_COMPILE, FlexBackend, flex_refusal
 from posbench.attention.sdpa import SdpaBackend
 from posbench.encodings.base import Encoding
 
 BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (EagerBackend, SdpaBackend, FlexBackend)}
-# the causal mask_mod closes over lk - lq, a derived symbolic size under dynamic=True (pytorch issue 182606)
-FLEX_IN_COMPILE = ("backend=flex cannot train inside a graph with dynamic shapes (train.compile=true): inductor "
-                   "failed to lower the compiled model's FlexAttention (torch 2.11, alibi and fox on an H200: "
-                   "ShapeAsConstantBuffer); use train.compile=static or graphs (a graph per shape), backend=auto "
-                   "(sdpa there) or train.compile=false")
 
 
 def get_backend(name: str, encoding: Encoding | None = None, device: torch.device | None = None,
@@ -25,17 +20,17 @@ def get_backend(name: str, encoding: Encoding | None = None, device: torch.devic
     decay (SDPA would take a dense mask, or a head size the flash kernel refuses) where heads have
     at least 16 features (flex's CUDA kernels refuse fewer), flex can differentiate it
     (Encoding.flex_trains) and the model is not trained in a graph with dynamic shapes
-    (`dynamic_compile`: flex is refused there, FLEX_IN_COMPILE; train.compile=static and graphs give it
-    fixed shapes), else sdpa; on CPU sdpa (its fused kernel with the causal flag beat compiled flex 1.4-1.7x
-    in evaluation at 4k tokens, and flex cannot train there); eager for hooks neither runs."""
+    (`dynamic_compile`: flex is refused there; train.compile=static and graphs give it fixed shapes), flex's
+    limits (posbench.attention.flex.flex_refusal), else sdpa; on CPU sdpa (its fused kernel with the causal
+    flag beat compiled flex 1.4-1.7x in evaluation at 4k tokens, and flex cannot train there); eager for hooks
+    neither runs."""
     if name == "auto":
         if encoding is None:
             raise ValueError("backend=auto needs the encoding to choose for")
         needed = set(encoding.hooks) - {"embed"}
         name = "sdpa" if needed <= SdpaBackend.supported_hooks else "eager"
-        head_dim = encoding.dims.d_model // encoding.dims.n_heads
-        if (name == "sdpa" and needed & {"bias", "decay"} and device is not None and torch.device(device).type == "cuda"
-                and head_dim >= CUDA_MIN_HEAD_DIM and encoding.flex_trains and not dynamic_compile):
+        if (name == "sdpa" and needed & {"bias", "decay"} and on_cuda(device)
+                and flex_refusal(encoding, head_dim(encoding), True, True, dynamic_compile) is None):
             try:
                 FlexBackend().check(encoding)
                 name = "flex"
@@ -44,15 +39,22 @@ def get_backend(name: str, encoding: Encoding | None = None, device: torch.devic
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {['auto', *sorted(BACKENDS)]}")
     if name == "flex" and dynamic_compile:
-        raise ValueError(FLEX_IN_COMPILE)
+        raise ValueError(IN_DYNAMIC_COMPILE)
     return BACKENDS[name]()
+
+
+def on_cuda(device) -> bool:
+    return device is not None and torch.device(device).type == "cuda"
+
+
+def head_dim(encoding: Encoding) -> int:
+    return encoding.dims.d_model // encoding.dims.n_heads
 
 
 def runnable(encoding: Encoding, device, training: bool, dynamic_compile: bool, windowed: bool) -> list[str]:
     """The backends that can run `encoding` here: for training (on CUDA for flex, with heads of 16 features,
     an encoding flex can differentiate and fixed shapes), or for evaluation."""
     names = []
-    cuda = device is not None and torch.device(device).type == "cuda"
     for name, cls in BACKENDS.items():
         backend = cls()
         try:
@@ -61,12 +63,8 @@ def runnable(encoding: Encoding, device, training: bool, dynamic_compile: bool, 
             continue
         if windowed and not backend.runs_windows:
             continue
-        if name == "flex":
-            head_dim = encoding.dims.d_model // encoding.dims.n_heads
-            if cuda and head_dim < CUDA_MIN_HEAD_DIM:
-                continue
-            if training and (not cuda or dynamic_compile or not encoding.flex_trains):
-                continue
+        if name == "flex" and flex_refusal(encoding, head_dim(encoding), on_cuda(device), training, dynamic_compile):
+            continue
         names.append(name)
     return names
 
@@ -78,6 +76,10 @@ def measured_backend(name: str, encoding: Encoding, device, tokens: int, compile
     named outright is that backend. Evaluation runs uncompiled: compile_mode applies to training only."""
     dynamic_compile = training and compile_mode is True
     chosen = get_backend(name, encoding, device, dynamic_compile=dynamic_compile)
+    if chosen.name == "flex":  # named outright (auto takes flex only where it runs): refused before training
+        refusal = flex_refusal(encoding, head_dim(encoding), on_cuda(device), training, dynamic_compile)
+        if refusal:
+            raise ValueError(refusal)
     path = crossover.table_path(device) if name == "auto" else None
     if path is None:
         return chosen
