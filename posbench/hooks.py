@@ -2,9 +2,14 @@
 with the backends that run it and how a composite combines its parts' hooks. Backends,
 validation, composites and the layer read this table; nothing else names the order.
 
-    embed (model input) -> kv -> qk -> query_scale -> layer_pass (once, every query) -> [per block of queries:]
-    logits = q.k^T * scale + decay + bias + key_term -> logit_transform -> mask -> normalize (softmax by
-    default) -> prob -> p.V + value_term -> output
+    embed, state_init (model input) -> kv -> state_qkv -> qk -> query_scale -> layer_pass (once, every query)
+    -> [per block of queries:] logits = q.k^T * scale + decay + bias + key_term -> logit_transform -> mask
+    -> normalize (softmax by default) -> prob -> p.V + value_term -> state_update -> output -> [the block's
+    feed-forward] -> state_mlp
+
+A position state (state_init) is built once per forward from the positions and handed from layer to layer:
+each layer reads it (state_qkv, which may widen v with state columns attended by the same weights),
+updates it from what attention returned (state_update) and after its feed-forward (state_mlp).
 
 Hooks that see content receive the call (`posbench.attention.context.AttentionCall`): the
 layer's input, the positions, the mask, the layer. Today's position-only hooks keep their
@@ -24,12 +29,17 @@ class Hook:
     backends: frozenset[str]  # the backends that run it (eager runs every hook: the reference)
     needs_logits: bool  # a backend running it holds logits (or a bias) of a block of queries x keys
     combine: str  # a composite with several parts that fill it: sum, product, sequence, or one (refused)
+    model_level: bool = False  # runs at the model input, not in a layer (a schedule's entries may not have it)
 
 
 HOOKS: dict[str, Hook] = {hook.name: hook for hook in (
-    Hook("embed", "position vectors on the token embedding (model input)", ALL_BACKENDS, False, "sum"),
+    Hook("embed", "position vectors on the token embedding (model input)", ALL_BACKENDS, False, "sum", True),
+    Hook("state_init", "a position state from the positions (model input), read and updated by every layer (TAPE)",
+         ALL_BACKENDS, False, "one", True),
     Hook("kv", "keys and values mixed along time from the layer's input, before qk (FoX Pro's token shifts)",
          ALL_BACKENDS, False, "sequence"),
+    Hook("state_qkv", "q and k transformed by the layer's position state, v widened with state columns that "
+         "attention averages with the same weights (TAPE)", ALL_BACKENDS, False, "one"),
     Hook("qk", "a position-dependent transform of q and k (rotations)", ALL_BACKENDS, False, "one"),
     Hook("query_scale", "q times a factor per query and head (keys seen: SSMax, temperature)",
          ALL_BACKENDS, False, "product"),
@@ -45,8 +55,12 @@ HOOKS: dict[str, Hook] = {hook.name: hook for hook in (
     Hook("normalize", "replaces softmax (stick-breaking)", frozenset({"eager"}), True, "one"),
     Hook("prob", "a modulation of the attention probabilities", frozenset({"eager"}), True, "sequence"),
     Hook("value_term", "a term added to p.V", frozenset({"eager"}), True, "sum"),
+    Hook("state_update", "the position state updated from the attended state columns; the heads' output back to "
+         "v's width (TAPE)", ALL_BACKENDS, False, "one"),
     Hook("output", "the heads' output from the layer's input, before the output projection (FoX Pro's norm, gate)",
          ALL_BACKENDS, False, "sequence"),
+    Hook("state_mlp", "the position state updated from the block's feed-forward output (TAPE)", ALL_BACKENDS, False,
+         "one"),
 )}
 
 

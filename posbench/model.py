@@ -78,10 +78,13 @@ class Block(nn.Module):
         else:
             keys = torch.cat([self.norm1(memory) if pre else memory, h], dim=1)  # [B, M + L, D]
             x = x + self.drop(self.attn(h, positions, keys))  # [B, L, D]
-        if pre:
-            return x + self.drop(self.mlp(self.norm2(x)))  # [B, L, D]
-        x = self.norm1(x)  # [B, L, D]
-        return self.norm2(x + self.drop(self.mlp(x)))  # [B, L, D]
+        if not pre:
+            x = self.norm1(x)  # [B, L, D]
+        u = self.mlp(self.norm2(x) if pre else x)  # [B, L, D]
+        encoding = self.attn.encoding[0]
+        if "state_mlp" in encoding.hooks:
+            positions.state = encoding.state_mlp(positions.state, u, self.attn.layer)
+        return x + self.drop(u) if pre else self.norm2(x + self.drop(u))  # [B, L, D]
 
 
 class Transformer(nn.Module):
@@ -115,6 +118,8 @@ class Transformer(nn.Module):
             x = self.encoding.embed(x, pos, ids)  # [B, L, D]
         x = self.drop(x)
         positions = PositionContext(self.encoding, pos)  # a bias shared by the layers is built once
+        if "state_init" in self.encoding.hooks:
+            positions.state = self.encoding.state_init(pos, x)
         for block in self.blocks:
             x = block(x, positions)  # [B, L, D]
         return self.head(self.norm(x))  # [B, L, V]
@@ -141,6 +146,9 @@ class Transformer(nn.Module):
         if "embed" in self.encoding.hooks or not self.encoding.relative:
             raise ValueError(f"segment recurrence needs a relative encoding without an embed hook (positions "
                              f"restart every segment); encoding {self.encoding.name!r} is not one")
+        if "state_init" in self.encoding.hooks:
+            raise ValueError(f"segment recurrence keeps keys without their position state; encoding "
+                             f"{self.encoding.name!r} carries one from layer to layer")
         if not self.cfg.causal:
             raise ValueError("segment recurrence needs a causal model (model.causal=true)")
 

@@ -146,7 +146,8 @@ def test_schedule_layers_equal_their_standalone_encodings():
 def test_schedule_routes_every_hook_to_its_layers_encoding():
     """A layer's kv and output hooks (FoX Pro's shifts, norm and gate) reach it through the schedule, and
     every hook of the table has its route (a hook the schedule left to the base class would do nothing)."""
-    assert [hook for hook in HOOKS if hook != "embed" and getattr(Schedule, hook) is getattr(Encoding, hook)] == []
+    assert [hook for hook, spec in HOOKS.items()
+            if not spec.model_level and getattr(Schedule, hook) is getattr(Encoding, hook)] == []
     kinds = {"pro": {"encoding": "fox", "k_shift": True, "v_shift": True, "output_norm": True, "output_gate": True}}
     torch.manual_seed(6)
     sched = make_encoding("schedule", d_model=D_MODEL, n_heads=HEADS, pattern=["nope", "pro"], kinds=kinds).double()
@@ -172,7 +173,7 @@ def test_schedule_kinds_give_layers_their_own_parameters():
     assert sched.params()["layers"] == ["local", "global"]
     for bad, message in (({"pattern": "rope"}, "must be a non-empty list"),
                          ({"pattern": ["rope", "ropes"]}, "'ropes' is neither a registered encoding"),
-                         ({"pattern": ["learned"]}, r"act on the model input \(embed hook\)"),
+                         ({"pattern": ["learned"]}, r"act on the model input \(hooks \['embed', 'state_init'\]\)"),
                          ({"pattern": ["x"], "kinds": {"x": {"encoding": "nothing"}}}, "kind 'x' needs `encoding:`"),
                          ({"pattern": ["rope"], "kinds": {"rope": {"encoding": "alibi"}}}, "shadows the registered"),
                          ({"pattern": ["r"], "kinds": {"r": {"encoding": "rope", "bass": 1}}}, "has no parameter")):

@@ -40,6 +40,7 @@ class AttentionCall:
     block_starts: tuple[int, ...] = (0,)  # the layer's query blocks begin at these query indices
     query_offset: int = 0  # this call's first query among the layer's queries (a block's start)
     layer_state: object = None  # what the encoding's layer_pass returned for this layer and forward
+    state: object = None  # the position state this layer received (state_init, then each layer's updates)
 
     def __post_init__(self):
         if self.q_start < 0:
@@ -89,6 +90,7 @@ class PositionContext:
         self.encoding, self.q_pos = encoding, q_pos
         self.k_pos = q_pos if k_pos is None else k_pos
         self.has_bias = "bias" in encoding.hooks
+        self.state = None  # the position state between layers (state_init's, then each layer's update)
         self.full: dict[int, torch.Tensor] = {}
         self.rows: dict[int, torch.Tensor | None] = {}
 

@@ -78,6 +78,12 @@ class Attention(nn.Module):
                              x=x if memory is None else memory)
         if "kv" in encoding.hooks:
             k, v = encoding.kv(k, v, call)  # [B, H, Lk, d] each
+        if "state_qkv" in encoding.hooks:
+            if memory is not None:
+                raise ValueError(f"encoding {encoding.name} carries a position state from layer to layer over the "
+                                 "tokens of one forward; keys from a memory (segment recurrence) have none")
+            call.state = positions.state
+            q, k, v = encoding.state_qkv(q, k, v, call)  # v: [B, H, L, d + state columns]
         block = self.query_block(encoding, b, length, k.shape[-2])
         if block is not None:
             call.block_starts = tuple(range(0, length, block))
@@ -96,6 +102,8 @@ class Attention(nn.Module):
                 [view for span in spans for view in block_views(q, k, v, span)]
             y = torch.cat([self.attend_block(*views[3 * i:3 * i + 3], call, positions, span)
                            for i, span in enumerate(spans)], dim=2)  # [B, H, L, d]
+        if "state_update" in encoding.hooks:
+            y, positions.state = encoding.state_update(y, call)  # [B, H, L, d]
         if "output" in encoding.hooks:
             y = encoding.output(y, x, self.layer)  # [B, H, L, d]
         return self.out(y.transpose(1, 2).reshape(b, length, d_model))  # [B, L, D]

@@ -39,6 +39,7 @@ from posbench.encodings.stick_breaking import StickBreaking
 from posbench.encodings.string_rope import STRING
 from posbench.encodings.t5 import T5
 from posbench.encodings.t5_2d import T52D
+from posbench.encodings.tape import TAPE
 from posbench.encodings.temperature import Temperature
 from posbench.encodings.transformer_xl import TENER, TransformerXL
 from posbench.encodings.urpe import URPE
@@ -56,7 +57,7 @@ REGISTRY: dict[str, type[Encoding]] = {cls.name: cls for cls in (NoPE, Sinusoida
                                                                CoPE, DAPE, StickBreaking,
                                                                SelfExtend, Schedule, Temperature, PaTH, DroPE,
                                                                Selective, PoPE, FoPE, GRAPE,
-                                                               ScaleInvariant, STRING)}
+                                                               ScaleInvariant, STRING, TAPE)}
 
 
 def get_encoding(name: str) -> type[Encoding]:

@@ -2,16 +2,18 @@
 
 Order inside one attention layer (declared in `posbench.hooks`, applied by `posbench.attention`):
 
-    embed (model input) -> kv -> qk -> query_scale -> layer_pass (once, every query) -> [per block of queries:]
-    logits = q.k^T * scale + decay + bias + key_term -> logit_transform -> mask -> normalize (softmax by
-    default) -> prob -> p.V + value_term -> output
+    embed, state_init (model input) -> kv -> state_qkv -> qk -> query_scale -> layer_pass (once, every query)
+    -> [per block of queries:] logits = q.k^T * scale + decay + bias + key_term -> logit_transform -> mask
+    -> normalize (softmax by default) -> prob -> p.V + value_term -> state_update -> output -> [the block's
+    feed-forward] -> state_mlp
 
 The position-only hooks (embed, qk, bias, key_term, prob, value_term) take positions and the
 layer; the hooks that see content (kv, query_scale, decay, logit_transform, normalize) take the call
 (`posbench.attention.context.AttentionCall`: the layer's input x, the positions, the mask), and
 output takes the heads' output and the layer's input at the queries. Every hook sees one block of
 queries at a time (docs/adding-an-encoding.md, "The hooks"), except layer_pass: it runs once per layer
-over every query, and what it returns reaches every block's hooks as call.layer_state.
+over every query, and what it returns reaches every block's hooks as call.layer_state. A position
+state (state_init, once per forward) passes from layer to layer: call.state in the layer's hooks.
 
 Positions are always passed in explicitly, shaped [B', L] with B' either 1 (shared
 by the batch) or B (one row per sequence), so that randomized positions, offsets
@@ -69,6 +71,8 @@ class Encoding(nn.Module):
     position_dims: int = 1  # 1: reads ids [B', L]; 2: reads (row, column) [B', L, 2] (needs a grid task)
     causal_only: bool = False  # refuses a bidirectional model (model.causal=false)
     reads_query_key: bool = False  # a hook reads q or k themselves, not only their logits (key_term always does)
+    widens_query_key: bool = False  # qk returns q and k wider than d (pope: 2d)
+    loads_checkpoints_of: tuple[str, ...] = ()  # train.init_from: the encodings (_target_) whose checkpoints it loads
     # backend=flex differentiates its score_mod on CUDA. False where torch's FlexAttention cannot (torch 2.11,
     # H200: a learned table looked up by bucket, an unrolled MLP, gate levels indexed per query and key);
     # auto then trains on sdpa. tests/test_cuda.py checks every encoding left True on a GPU.
@@ -116,6 +120,26 @@ class Encoding(nn.Module):
     def embed(self, x: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [B, L, D] token embeddings, pos: [B', L] ([B', L, 2] if position_dims = 2), ids: [B, L] -> [B, L, D]."""
         return x
+
+    def state_init(self, pos: torch.Tensor, x: torch.Tensor):
+        """The position state at the model input: pos [B', L], x [B, L, D] the input embedding (batch, dtype) ->
+        any state, read by the first layer as call.state."""
+        return None
+
+    def state_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call):
+        """After kv, before qk, every query at once: q, k, v [B, H, L, d] and call.state, the state the layer
+        receives -> q, k transformed by it and v, possibly widened with state columns that attention averages
+        with the same weights as v (the layer hands the wide output to state_update)."""
+        return q, k, v
+
+    def state_update(self, y: torch.Tensor, call):
+        """y [B, H, L, width of state_qkv's v], attention's output -> (y back to d columns, the state the rest of
+        the layer and the next one receive)."""
+        return y, call.state
+
+    def state_mlp(self, state, u: torch.Tensor, layer: int):
+        """After the block's feed-forward: its output u [B, L, D] (before the residual add) -> the new state."""
+        return state
 
     def kv(self, k: torch.Tensor, v: torch.Tensor, call) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: [B, H, Lk, d] as projected, call.x the layer's input at the keys [B, Lk, D] -> the same shapes."""

@@ -12,7 +12,8 @@ an entry is a registered encoding with its defaults, or a name in `kinds`, a var
 parameters (`encoding:` names the registered encoding; a composite is allowed). Each entry is built
 once, with the model's dims, and every hook goes to the layer's own encoding; a layer whose encoding
 lacks a hook gets "no change". Sliding windows are a model setting (`model.window`, a per-layer list
-repeated the same way). `embed` acts on the model input, not on a layer: an encoding with it is refused.
+repeated the same way). `embed` and `state_init` act on the model input, not on a layer (the table's
+model_level hooks): an encoding with one is refused.
 """
 from __future__ import annotations
 
@@ -52,10 +53,11 @@ class Schedule(Encoding):
             name = params.pop("encoding")
             built[entry] = build_part(REGISTRY[name], name, dims, params)
         self.entries = nn.ModuleDict(built)
-        embedders = [entry for entry, enc in built.items() if "embed" in enc.hooks]
+        model_level = [name for name, hook in HOOKS.items() if hook.model_level]
+        embedders = [entry for entry, enc in built.items() if set(model_level) & enc.hooks]
         if embedders:
-            raise ValueError(f"schedule: {embedders} act on the model input (embed hook), not on one layer; a "
-                             "schedule takes encodings of the attention (qk, bias, decay, ...)")
+            raise ValueError(f"schedule: {embedders} act on the model input (hooks {model_level}), not on one "
+                             "layer; a schedule takes encodings of the attention (qk, bias, decay, ...)")
         dims_read = {enc.position_dims for enc in built.values() if enc.hooks}
         if len(dims_read) > 1:
             raise ValueError("schedule: its entries read 1-D and 2-D positions; use entries of one kind")
@@ -75,6 +77,10 @@ class Schedule(Encoding):
     def params(self) -> dict:
         return {"pattern": list(self.pattern), "kinds": self.kinds, "layers": self.layers,
                 **{entry: enc.params() for entry, enc in self.entries.items()}}
+
+    def set_train_step(self, step: int, total: int) -> None:
+        for enc in self.entries.values():
+            enc.set_train_step(step, total)
 
     def set_eval_length(self, train_positions: int, eval_positions: int) -> None:
         for enc in self.entries.values():
@@ -110,15 +116,15 @@ def forwarder(hook: str):
     return forwarded
 
 
-for _hook in HOOKS:  # embed acts on the model input, not on a layer: an entry with it is refused
-    if _hook != "embed":
+for _hook, _spec in HOOKS.items():  # a model-level hook acts on the model input: an entry with it is refused
+    if not _spec.model_level:
         setattr(Schedule, _hook, forwarder(_hook))
 
 
 def unforwarded_hooks(cls) -> list[str]:
     """The layer hooks of the table that `cls` leaves to Encoding's "no change"."""
-    return [name for name in HOOKS
-            if name != "embed" and getattr(cls, name, None) is getattr(Encoding, name, None)]
+    return [name for name, hook in HOOKS.items()
+            if not hook.model_level and getattr(cls, name, None) is getattr(Encoding, name, None)]
 
 
 def parse_pattern(pattern, kinds, registry: dict) -> tuple[list[str], dict[str, dict]]:
