@@ -6,7 +6,7 @@ T5's RMSNorm, ReLU and no biases; Ruoss et al.'s post-LN encoder with scaled emb
 from __future__ import annotations
 
 import math
-from dataclasses import field, make_dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,8 +21,24 @@ RMSNORM_EPS = 1e-6  # T5's layer_norm_epsilon
 check_window = settings.Window()  # model.window's rule: check_window(key, value) -> the window
 
 
-class ModelSettings:
-    """The behaviour of ModelConfig; its fields are the model.* settings (posbench.settings)."""
+@dataclass
+class ModelConfig:
+    """The model: the task's vocabulary size, then the model.* settings (posbench.settings) with their types
+    and defaults (model=small's); tests/test_schema.py holds the two equal."""
+
+    vocab_size: int  # the task's
+    d_model: int = 64  # the residual width
+    n_layers: int = 3  # transformer layers
+    n_heads: int = 4  # d_model % n_heads == 0
+    mlp_ratio: int = 4  # the feed-forward width / d_model
+    causal: bool = True  # true: a decoder; false: an encoder
+    dropout: float = 0.0  # on the residual branches
+    activation: str = "gelu"  # the feed-forward's (ACTIVATIONS)
+    norm: str = "layernorm"  # or rmsnorm: T5's, no mean subtraction, no bias
+    bias: bool = True  # false: none in the feed-forward and the norms (attention projections have none)
+    norm_position: str = "pre"  # pre: x + f(norm(x)), a final norm; post: norm(x + f(x)), none (Vaswani et al.)
+    embed_scale: bool = False  # token embeddings times sqrt(d_model) before the encoding's embed hook
+    window: int | list[int | None] | None = None  # sliding window: keys with |i - j| < window; a list: per layer
 
     def __post_init__(self):
         if self.d_model % self.n_heads:
@@ -33,22 +49,6 @@ class ModelSettings:
     def layer_window(self, layer: int) -> int | None:
         """The window of one layer: the setting, or its pattern repeated over the layers (None: global)."""
         return self.window[layer % len(self.window)] if isinstance(self.window, list) else self.window
-
-
-def setting_field(s: settings.Setting):
-    default = s.default
-    return field(default_factory=lambda: list(default)) if isinstance(default, list) else field(default=default)
-
-
-# vocab_size (the task's), then every model.* setting with its type and default (model=small's): d_model,
-# n_layers, n_heads, mlp_ratio, causal, dropout, activation (ACTIVATIONS), norm (layernorm | rmsnorm: T5's,
-# no mean subtraction, no bias), bias (false: none in the feed-forward and the norms; attention projections
-# have none), norm_position (pre: x + f(norm(x)) and a final norm; post: norm(x + f(x)), none after, Vaswani
-# et al.), embed_scale (token embeddings times sqrt(d_model) before the encoding's embed hook), window
-# (sliding-window attention: keys with |i - j| < window; a list is a per-layer pattern).
-ModelConfig = make_dataclass(
-    "ModelConfig", [("vocab_size", int), *[(s.name, s.type, setting_field(s)) for s in settings.section("model")]],
-    bases=(ModelSettings,), namespace={"__module__": __name__})
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:

@@ -7,7 +7,8 @@ table come:
 
 - validation: `posbench.validate.check_config` runs every rule, and refuses a key that is not
   declared here (a typo added with `+`, e.g. `+train.stepz=5`), naming the nearest valid keys;
-- `posbench.model.ModelConfig`: its fields, their types and defaults are the model.* settings;
+- `posbench.model.ModelConfig`: its fields, their types and defaults are the model.* settings
+  (tests/test_schema.py holds the two equal);
 - `posbench.runinfo.ADDED_SETTINGS`: the settings with a `before` value (so runs made before a
   setting existed keep their config hash), plus ADDED_PARAMETERS, the encoding and task parameters
   added later (those parameters are declared by their constructors, which check them);
@@ -109,7 +110,7 @@ class Chunk:
 
 
 class Window:
-    type = object
+    type = int | list[int | None] | None
 
     def text(self) -> str:
         return "null (every layer global), an integer >= 1, or a list of them and nulls repeated over the layers"

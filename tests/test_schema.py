@@ -1,6 +1,7 @@
 """One declared schema of the settings (posbench.settings): the YAMLs, validation, ModelConfig, the config
 hash's added settings and --help agree with it; tasks declare their metrics in one table (posbench.metrics)."""
 import dataclasses
+import typing
 
 import pytest
 import torch
@@ -64,12 +65,14 @@ def test_every_declared_setting_is_validated(key):
         check_config(cfg)
 
 
-def test_model_config_fields_come_from_the_schema():
+def test_model_config_fields_are_the_model_settings():
     fields = dataclasses.fields(ModelConfig)
+    types = typing.get_type_hints(ModelConfig)
     model = settings.section("model")
     assert [f.name for f in fields] == ["vocab_size", *[s.name for s in model]]
+    assert types["vocab_size"] is int and fields[0].default is dataclasses.MISSING
     assert {f.name: f.default for f in fields[1:]} == {s.name: s.default for s in model}
-    assert {f.name: f.type for f in fields[1:]} == {s.name: s.type for s in model}
+    assert {f.name: types[f.name] for f in fields[1:]} == {s.name: s.type for s in model}
     assert tuple(ACTIVATIONS) == settings.ACTIVATION_NAMES
 
 
