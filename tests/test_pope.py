@@ -134,6 +134,20 @@ def test_delta_is_clamped_in_the_forward():
     assert torch.all(enc.delta.grad[1] == 0)  # layer 1 was not used
 
 
+def test_training_projects_delta_back_into_its_range():
+    """Before each step the training loop calls set_train_step: a delta an update pushed past a bound returns to it,
+    and from there learns again (the forward's clamp alone would leave it without gradient)."""
+    enc = pope()
+    q, k = qk(4, 4)
+    pos = torch.arange(4)[None]
+    with torch.no_grad():
+        enc.delta[0, 0, :3] = torch.tensor([0.5, -7.0, -1.0], dtype=torch.float64)
+    enc.set_train_step(1, 10)
+    assert enc.delta[0, 0, :3].tolist() == [0.0, -2 * math.pi, -1.0]
+    our_logits(enc, q, k, pos, pos, 0).sum().backward()
+    assert torch.all(enc.delta.grad[0, 0] != 0)
+
+
 def test_delta_initialisations():
     zero = make_encoding("pope")
     assert torch.all(zero.delta == 0) and zero.delta.shape == (2, 2, 8)  # [layers, H, d]

@@ -3,7 +3,9 @@
 Each of the d features of q and k (features, not pairs) becomes a complex number whose magnitude is
 the content and whose phase is the position: mu_c = softplus(x_c), phase t theta_c with
 theta_c = base^(-(c-1)/d), c = 1..d (d frequencies over rope's range), and keys' phases also shifted
-by a learned delta_c per layer and head, clamped to [-2 pi, 0] in the forward pass. A logit is
+by a learned delta_c per layer and head, kept in [-2 pi, 0]: clamped in the forward pass, and projected
+back into the range before every training step (a delta an update pushed out would otherwise sit at
+the bound with no gradient, and stop learning). A logit is
 Re sum_c conj(q~_tc) k~_sc = sum_c mu^q_c mu^k_c cos((s - t) theta_c + delta_c): relative, and
 bidirectional as it is. In real arithmetic qk returns q' = [mu^q cos(t theta), mu^q sin(t theta)] and
 k' = [mu^k cos(s theta + delta), mu^k sin(s theta + delta)], both 2d wide (v keeps d), and the logit
@@ -56,6 +58,10 @@ class PoPE(Encoding):
 
     def params(self) -> dict:
         return {"base": self.base, "delta_init": self.delta_init}
+
+    def set_train_step(self, step: int, total: int) -> None:
+        with torch.no_grad():
+            self.delta.clamp_(-2 * math.pi, 0.0)  # the previous step's update projected back: it keeps learning
 
     def logit_scale(self, head_dim: int) -> float:
         return 1.0 / math.sqrt(self.dims.head_dim)  # the head's d, whatever width q and k reach the logits with
