@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ALL_BACKENDS = frozenset({"eager", "sdpa", "flex"})
+# The attention backends' names, declared here only: the fastest first, eager (runs every hook: the reference) last
+SDPA, FLEX, EAGER = "sdpa", "flex", "eager"
+BACKEND_NAMES = (SDPA, FLEX, EAGER)
+ALL_BACKENDS = frozenset(BACKEND_NAMES)
 
 
 @dataclass(frozen=True)
@@ -48,13 +51,13 @@ HOOKS: dict[str, Hook] = {hook.name: hook for hook in (
     Hook("decay", "a causal bias c_i - c_j from per-token levels c (ALiBi causal, FoX's forget gates)",
          ALL_BACKENDS, False, "sum"),
     Hook("bias", "a [B', H, Lq, Lk] bias on the scaled logits", ALL_BACKENDS, True, "sum"),
-    Hook("key_term", "a content-dependent logit term (q against position vectors)", frozenset({"eager"}), True,
+    Hook("key_term", "a content-dependent logit term (q against position vectors)", frozenset({EAGER}), True,
          "sum"),
-    Hook("logit_transform", "every head's logits at once, before the mask (CoPE, DAPE)", frozenset({"eager"}),
+    Hook("logit_transform", "every head's logits at once, before the mask (CoPE, DAPE)", frozenset({EAGER}),
          True, "sequence"),
-    Hook("normalize", "replaces softmax (stick-breaking)", frozenset({"eager"}), True, "one"),
-    Hook("prob", "a modulation of the attention probabilities", frozenset({"eager"}), True, "sequence"),
-    Hook("value_term", "a term added to p.V", frozenset({"eager"}), True, "sum"),
+    Hook("normalize", "replaces softmax (stick-breaking)", frozenset({EAGER}), True, "one"),
+    Hook("prob", "a modulation of the attention probabilities", frozenset({EAGER}), True, "sequence"),
+    Hook("value_term", "a term added to p.V", frozenset({EAGER}), True, "sum"),
     Hook("state_update", "the position state updated from the attended state columns; the heads' output back to "
          "v's width (TAPE)", ALL_BACKENDS, False, "one"),
     Hook("output", "the heads' output from the layer's input, before the output projection (FoX Pro's norm, gate)",
@@ -71,7 +74,7 @@ def backend_hooks(backend: str) -> frozenset[str]:
 
 def backends_for(hooks) -> list[str]:
     """The backends that run every one of `hooks`, eager last (the reference, slowest)."""
-    return [name for name in ("sdpa", "flex", "eager") if set(hooks) <= backend_hooks(name)]
+    return [name for name in BACKEND_NAMES if set(hooks) <= backend_hooks(name)]
 
 
 def needs_logits(hooks) -> bool:

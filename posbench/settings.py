@@ -31,13 +31,14 @@ from omegaconf import ListConfig, OmegaConf
 
 from posbench import published
 from posbench.checks import Choice, Flag, Integer, Items, Real, Text, refuse, shown
+from posbench.hooks import BACKEND_NAMES
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 NEW = object()  # `before` of a setting that existed from the start
 
-# The choices of the settings. Two name registries kept elsewhere, which tests/test_schema.py holds equal:
-# posbench.attention.BACKENDS and posbench.positions.SCHEMES (this module imports no torch: the report reads it).
-BACKEND_NAMES = ("auto", "eager", "flex", "sdpa")
+# The choices of the settings. A name registry kept elsewhere, which tests/test_schema.py holds equal:
+# posbench.positions.SCHEMES (this module imports no torch: the report reads it).
+BACKEND_CHOICES = ("auto", *sorted(BACKEND_NAMES))
 POSITION_SCHEMES = ("sequential", "randomized", "offset")
 TRAIN_LENGTH_MODES = ("uniform", "fixed")
 SCHEDULES = ("cosine", "linear")  # the decay after warm-up (posbench.training.learning_rate)
@@ -249,7 +250,7 @@ SETTINGS: tuple[Setting, ...] = (
     S("model.embed_scale", Flag(), False, "token embeddings times sqrt(d_model)", before=False),
     S("model.window", Window(), None, "sliding-window attention: a window, or a per-layer list", before=None),
     # the backend (configs/backend/)
-    S("backend.name", Choice(BACKEND_NAMES), "auto", "the attention backend; auto: the fastest "
+    S("backend.name", Choice(BACKEND_CHOICES), "auto", "the attention backend; auto: the fastest "
       "that runs the encoding's hooks"),
     # the logger (configs/logger/)
     S("logger.name", Choice(LOGGERS), "none", "logger=wandb mirrors the rows to Weights & Biases"),

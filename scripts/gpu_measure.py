@@ -44,13 +44,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a file: import posbench and tasks from this checkout
 
 from posbench.attention.crossover import MODES as TABLE_MODES, device_slug  # noqa: E402
+from posbench.hooks import BACKEND_NAMES as BACKENDS  # noqa: E402
 
 RESULT_MARK = "GPU_MEASURE "  # a child's lines of output the parent reads
 BASELINE = "nope"
 TARGETS = ("alibi", "sandwich", "kerple", "fox", "t5", "fire", "cope", "dape", "stick_breaking")  # measured first
 TOKENS = (32, 256, 1024, 4096)
 LONG_TOKENS = 8192  # for the encodings with a bias or a decay
-BACKENDS = ("sdpa", "flex", "eager")
 MODES = {name: setting for setting, name in TABLE_MODES.items()}  # the table's mode -> train.compile
 TOKENS_PER_STEP = 65536  # a batch of about this many tokens: 64 sequences of 1,025
 WARMUP_STEPS, TIMED_STEPS = 3, 8

@@ -4,13 +4,13 @@ from __future__ import annotations
 import torch
 
 from posbench.attention.backend import Backend, call_bias
-from posbench.hooks import backend_hooks
+from posbench.hooks import EAGER, backend_hooks
 
 EAGER_TRAIN_BLOCK = 128  # queries per block of a causal eager layer in training
 
 
 class EagerBackend(Backend):
-    name = "eager"
+    name = EAGER
     supported_hooks = backend_hooks(name)
     per_sequence_logits = True
 

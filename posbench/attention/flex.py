@@ -18,7 +18,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from posbench.attention.backend import Backend
 from posbench.encodings.base import Encoding
-from posbench.hooks import backend_hooks, backends_for
+from posbench.hooks import FLEX, backend_hooks, backends_for
 
 BLOCK = 128  # queries and keys per block of the block mask (FlexAttention's default)
 CPU_TRAINING = ("backend=flex trains on CUDA only; on CPU it evaluates (forward only); "
@@ -91,7 +91,7 @@ def tensor_device(encoding: Encoding) -> torch.device:
 
 
 class FlexBackend(Backend):
-    name = "flex"
+    name = FLEX
     supported_hooks = backend_hooks(name)
     takes_bias = False  # the bias enters as a score_mod, never as a tensor
     runs_windows = False  # its block mask is causal only

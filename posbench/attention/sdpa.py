@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from posbench.attention.backend import Backend, call_bias
 from posbench.attention.context import AttentionCall, causal_mask
 from posbench.attention.fused_cpu import FusedBiasAttention, fused_causal_block, fused_cpu_ok
-from posbench.hooks import backend_hooks
+from posbench.hooks import SDPA, backend_hooks
 
 
 def with_decay_column(q, k, v, call: AttentionCall, scale: float):
@@ -38,7 +38,7 @@ def write_decay_column(k, call: AttentionCall, scale: float) -> None:
 
 
 class SdpaBackend(Backend):
-    name = "sdpa"
+    name = SDPA
     supported_hooks = backend_hooks(name)
 
     def bakes_mask(self, q):

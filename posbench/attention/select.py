@@ -9,6 +9,7 @@ from posbench.attention.eager import EagerBackend
 from posbench.attention.flex import IN_DYNAMIC_COMPILE, FlexBackend, flex_refusal
 from posbench.attention.sdpa import SdpaBackend
 from posbench.encodings.base import Encoding
+from posbench.hooks import EAGER, FLEX, SDPA
 
 BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (EagerBackend, SdpaBackend, FlexBackend)}
 
@@ -28,17 +29,17 @@ def get_backend(name: str, encoding: Encoding | None = None, device: torch.devic
         if encoding is None:
             raise ValueError("backend=auto needs the encoding to choose for")
         needed = set(encoding.hooks) - {"embed"}
-        name = "sdpa" if needed <= SdpaBackend.supported_hooks else "eager"
-        if (name == "sdpa" and needed & {"bias", "decay"} and on_cuda(device)
+        name = SDPA if needed <= SdpaBackend.supported_hooks else EAGER
+        if (name == SDPA and needed & {"bias", "decay"} and on_cuda(device)
                 and flex_refusal(encoding, head_dim(encoding), True, True, dynamic_compile) is None):
             try:
                 FlexBackend().check(encoding)
-                name = "flex"
+                name = FLEX
             except ValueError:  # a bias without a score_mod stays on sdpa
                 pass
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {['auto', *sorted(BACKENDS)]}")
-    if name == "flex" and dynamic_compile:
+    if name == FLEX and dynamic_compile:
         raise ValueError(IN_DYNAMIC_COMPILE)
     return BACKENDS[name]()
 
@@ -63,7 +64,7 @@ def runnable(encoding: Encoding, device, training: bool, dynamic_compile: bool, 
             continue
         if windowed and not backend.runs_windows:
             continue
-        if name == "flex" and flex_refusal(encoding, head_dim(encoding), on_cuda(device), training, dynamic_compile):
+        if name == FLEX and flex_refusal(encoding, head_dim(encoding), on_cuda(device), training, dynamic_compile):
             continue
         names.append(name)
     return names
@@ -76,7 +77,7 @@ def measured_backend(name: str, encoding: Encoding, device, tokens: int, compile
     named outright is that backend. Evaluation runs uncompiled: compile_mode applies to training only."""
     dynamic_compile = training and compile_mode is True
     chosen = get_backend(name, encoding, device, dynamic_compile=dynamic_compile)
-    if chosen.name == "flex":  # named outright (auto takes flex only where it runs): refused before training
+    if chosen.name == FLEX:  # named outright (auto takes flex only where it runs): refused before training
         refusal = flex_refusal(encoding, head_dim(encoding), on_cuda(device), training, dynamic_compile)
         if refusal:
             raise ValueError(refusal)
