@@ -28,6 +28,12 @@ def refuse(key: str, value, valid: str, owner: str | None = None) -> None:
     raise ValueError(f"{prefix}{key}={shown(value)}: must be {valid}")
 
 
+def refuse_choice(key: str, value, choices: str, owner: str | None = None) -> None:
+    """The one refusal of a value outside its choices (Choice's, and the rules whose choices are not a tuple)."""
+    prefix = f"{owner}: " if owner else ""
+    raise ValueError(f"{prefix}{key}={shown(value)} is not valid; choose one of {choices}")
+
+
 def bounds_text(least=None, most=None, above=None, below=None) -> str:
     """'>= 1', '> 0', 'in [0, 1]', 'in [0, 1)', ...; '' when unbounded."""
     low = (f"[{least}", f">= {least}") if least is not None else (f"({above}", f"> {above}") if above is not None \
@@ -121,7 +127,8 @@ class Flag:
 
 @dataclass(frozen=True)
 class Choice:
-    """One of `options`; None allowed when `null` says what it means."""
+    """One of `options`; None allowed when `null` says what it means. The one check of a choice: settings,
+    encoding and task parameters, command-line flags."""
 
     options: tuple
     null: str | None = None
@@ -134,9 +141,8 @@ class Choice:
         if value is None and self.null:
             return None
         if isinstance(value, bool) or value not in self.options:  # True == 1: never an option by accident
-            prefix = f"{owner}: " if owner else ""
             or_null = f", or null ({self.null})" if self.null else ""
-            raise ValueError(f"{prefix}{key}={value!r} is not valid; choose one of {list(self.options)}{or_null}")
+            refuse_choice(key, value, f"{list(self.options)}{or_null}", owner)
         return value
 
 

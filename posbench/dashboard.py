@@ -42,6 +42,7 @@ from pathlib import Path
 
 import yaml
 
+from posbench.checks import Choice
 from posbench.headline import (DEFAULT_THRESHOLD, HIGHER_IS_BETTER, LEARNED_AT_N, LEARNED_SLACK, LOWER_IS_BETTER,
                                criterion, primary_metric, value)
 from posbench.loggers import (EVAL_KEYS, EVAL_LENGTH, STATUS, TRAIN_STEP, TRAIN_TOKENS_PER_S, eval_key,
@@ -68,16 +69,22 @@ def label(metric: str) -> str:
 
 # ---- the specification: plain data, no wandb ----------------------------------------------------
 
+PANEL_KINDS = ("line", "bar", "scatter", "text")
+
+
 @dataclass(frozen=True)
 class Panel:
     """line: history keys y against history key x; bar: summary keys y per group; scatter:
     summary key x against summary key y[0], one point per run; text: markdown."""
-    kind: str
+    kind: str  # PANEL_KINDS
     title: str
     y: tuple[str, ...] = ()
     x: str | None = None
     log_y: bool = False
     text: str = ""
+
+    def __post_init__(self):
+        Choice(PANEL_KINDS)("panel.kind", self.kind)
 
     def as_dict(self) -> dict:
         shown = {"kind": self.kind, "title": self.title, "x": self.x, "y": list(self.y), "log_y": self.log_y,
@@ -490,9 +497,7 @@ def wandb_panel(panel: Panel, max_runs: int):
                           max_runs_to_show=max_runs, **band)
     if panel.kind == "scatter":
         return wr.ScatterPlot(title=panel.title, x=panel.x, y=panel.y[0])
-    if panel.kind == "text":
-        return wr.MarkdownPanel(markdown=panel.text)
-    raise ValueError(f"panel kind {panel.kind!r}; choose line, bar, scatter or text")
+    return wr.MarkdownPanel(markdown=panel.text)  # text
 
 
 def wandb_filter(conditions):

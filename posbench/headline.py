@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from posbench.checks import Choice
 from posbench.metrics import HEADLINE_METRICS, HIGHER_IS_BETTER, LOWER_IS_BETTER, PRIMARY_METRICS  # noqa: F401
 
 DEFAULT_THRESHOLD = 0.9
@@ -43,9 +44,7 @@ SCORES = ("id_score", "ood_score", "extrapolation_length", "extrapolation_ratio"
 
 
 def lower_is_better(metric: str) -> bool:
-    if metric not in HEADLINE_METRICS:
-        raise ValueError(f"no headline direction for metric {metric!r}; choose one of {list(HEADLINE_METRICS)}")
-    return metric in LOWER_IS_BETTER
+    return Choice(HEADLINE_METRICS)("metric", metric) in LOWER_IS_BETTER
 
 
 def learned(metric: str, id_score: float) -> bool | None:

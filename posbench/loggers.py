@@ -5,7 +5,9 @@ import math
 import os
 from pathlib import Path
 
+from posbench.checks import Choice
 from posbench.headline import HEADLINE_METRICS, primary_metric, run_headline
+from posbench.settings import LOGGERS, WANDB_MODES
 
 # The keys WandbLogger writes, declared once for the logger and the dashboard (posbench.dashboard),
 # so a renamed metric cannot leave a panel reading a key no run logs.
@@ -43,10 +45,8 @@ class NullLogger:
 def wandb_mode(requested: str | None) -> str:
     """The mode to run wandb in: the config's, else WANDB_MODE, else online only with credentials."""
     mode = requested or os.environ.get("WANDB_MODE")
-    if mode:
-        if mode not in ("online", "offline", "disabled", "dryrun", "run"):
-            raise ValueError(f"logger.mode={mode!r}; choose online, offline or disabled")
-        return mode
+    if mode:  # the environment's may be one of wandb's older names too
+        return Choice((*WANDB_MODES, "dryrun", "run"))("logger.mode" if requested else "WANDB_MODE", mode)
     has_key = bool(os.environ.get("WANDB_API_KEY")) or (Path.home() / ".netrc").exists()
     if not has_key:
         print("wandb: no API key found; logging offline (sync later with `wandb sync`)")
@@ -136,11 +136,8 @@ def run_tags(config: dict, extra=()) -> list[str]:
 
 
 def build_logger(cfg, config: dict, run_name: str, run_dir: Path, run_id: str | None = None):
-    name = cfg.name
-    if name == "none":
+    if Choice(LOGGERS)("logger.name", cfg.name) == "none":
         return NullLogger()
-    if name == "wandb":
-        group = run_group(cfg.group, sweep_group(), config["encoding"], config["task"])
-        return WandbLogger(config, run_name, group, run_tags(config, cfg.tags), run_dir, project=cfg.project,
-                           entity=cfg.entity, mode=cfg.mode, dir=cfg.dir, run_id=run_id)
-    raise ValueError(f"unknown logger {name!r}; choose none or wandb")
+    group = run_group(cfg.group, sweep_group(), config["encoding"], config["task"])
+    return WandbLogger(config, run_name, group, run_tags(config, cfg.tags), run_dir, project=cfg.project,
+                       entity=cfg.entity, mode=cfg.mode, dir=cfg.dir, run_id=run_id)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from posbench.checks import Choice
+
 SCHEMES = ("sequential", "randomized", "offset")
 
 
@@ -23,8 +25,7 @@ class PositionScheme:
     longest_is = "the longest evaluated sequence has {} tokens"  # what `check` compares max_position with
 
     def __init__(self, scheme: str, max_position: int):
-        if scheme not in SCHEMES:
-            raise ValueError(f"train.positions={scheme!r} is not valid; choose one of {list(SCHEMES)}")
+        Choice(SCHEMES)("train.positions", scheme)
         if max_position is None or max_position < 1:
             raise ValueError(f"train.positions={scheme} needs train.max_position >= 1, got {max_position}")
         self.scheme, self.max_position = scheme, max_position

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from posbench.checks import Integer, Real, shown
+from posbench.checks import Choice, Integer, Real, shown
 from posbench.headline import HEADLINE_METRICS
 
 KEY = "published"
@@ -65,10 +65,7 @@ def _text(key: str, value) -> str:
     return value
 
 
-def _metric(key: str, value) -> str:
-    if value not in HEADLINE_METRICS:
-        raise ValueError(f"{key}={value!r} is not a row metric; choose one of {list(HEADLINE_METRICS)}")
-    return value
+_metric = Choice(HEADLINE_METRICS)  # a row metric
 
 
 def _lengths(key: str, value) -> tuple[int, int]:

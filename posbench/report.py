@@ -29,6 +29,7 @@ from posbench.headline import (DEFAULT_THRESHOLD, HEADLINE_METRICS, LEARNED_AT_N
 from posbench.results import (METRIC_LABELS, Skipped, collect, plot_cost, plot_curves, plot_heatmap,
                               plot_ranking, plot_scaling, read_run_files, read_yaml, skipped_lines, skipped_summary)
 from posbench import published
+from posbench.checks import Choice
 from posbench.rundir import FINAL_STATES, STATUS_FILE, describe
 from posbench.runinfo import flatten, with_added_settings
 from posbench.sweeps import read_multirun, sweep_progress
@@ -750,8 +751,7 @@ def render_html(blocks) -> str:
 
 def write_report(paths, out=None, metric: str | None = None, threshold: float = DEFAULT_THRESHOLD) -> Path:
     """Every file of the report, written to out (default: the first path); returns out."""
-    if metric is not None and metric not in HEADLINE_METRICS:
-        raise ValueError(f"--metric {metric!r} is not a headline metric; choose one of {list(HEADLINE_METRICS)}")
+    Choice(HEADLINE_METRICS, null="each task's primary metric")("--metric", metric)
     if not 0 < threshold <= 1:
         raise ValueError(f"--threshold {threshold} must be in (0, 1]: it applies to accuracies")
     frame = collect(paths)  # before output_directory: a missing input path is named, not made

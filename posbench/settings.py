@@ -30,7 +30,7 @@ from pathlib import Path
 from omegaconf import ListConfig, OmegaConf
 
 from posbench import published
-from posbench.checks import Choice, Flag, Integer, Items, Real, Text, refuse, shown
+from posbench.checks import Choice, Flag, Integer, Items, Real, Text, refuse, refuse_choice, shown
 from posbench.hooks import BACKEND_NAMES
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -63,7 +63,7 @@ class Device:
         name = value if isinstance(value, str) else ""
         index = name.removeprefix("cuda:")
         if name not in DEVICE_FORMS[:3] and not (name.startswith("cuda:") and index.isdigit()):
-            raise ValueError(f"{key}={shown(value)} is not valid; choose one of {list(DEVICE_FORMS)}")
+            refuse_choice(key, value, str(list(DEVICE_FORMS)))
         return value
 
 
@@ -92,7 +92,7 @@ class Compile:
 
     def __call__(self, key: str, value):
         if not isinstance(value, bool) and not (isinstance(value, str) and value in COMPILE_MODES):
-            raise ValueError(f"{key}={value!r} is not valid; choose one of false, true, static, graphs")
+            refuse_choice(key, value, "false, true, static, graphs")
         return value
 
 
@@ -397,9 +397,7 @@ HELP_PARTS = {"settings": settings_help, "experiments": experiments_help, "group
 
 
 def help_part(name: str) -> str:
-    if name not in HELP_PARTS:
-        raise ValueError(f"posbench.help:{name}: choose one of {sorted(HELP_PARTS)}")
-    return HELP_PARTS[name]()
+    return HELP_PARTS[Choice(tuple(HELP_PARTS))("posbench.help", name)]()
 
 
 # configs/hydra/help/posbench.yaml reads ${posbench.help:settings} etc.; registered on import, which

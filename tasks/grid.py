@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from posbench.checks import Flag, Integer, Real
+from posbench.checks import Choice, Flag, Integer, Real
 from tasks.base import Batch, Task, uniform_ids
 
 SHAPES = ("rectangles", "squares")
@@ -38,8 +38,7 @@ class GridTask(Task):
             raise ValueError(f"{self.name}: causal=True is not possible: every cell's answer depends on cells on "
                              "all sides, so a grid task needs the bidirectional encoder (model.causal=false, the "
                              f"default of configs/task_train/{self.name}.yaml)")
-        if shapes not in SHAPES:
-            raise ValueError(f"{self.name}: task.shapes={shapes!r} is not valid; choose one of {list(SHAPES)}")
+        Choice(SHAPES)("task.shapes", shapes, self.name)
         self.alphabet, self.labels = int(alphabet), int(labels)
         self.vocab_size = max(self.alphabet, self.labels)
         self.default_length = Integer(1)("task.default_length", default_length, self.name)

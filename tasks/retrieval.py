@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from posbench.checks import Flag, Integer
+from posbench.checks import Choice, Flag, Integer
 from tasks.base import Batch, Task, batch_metrics, finalize_metrics
 
 FILLERS = ("pattern", "random")
@@ -167,8 +167,7 @@ class Passkey(RetrievalTask):
 
     def __init__(self, digits: int = 5, filler: str = "pattern", filler_symbols: int = 4,
                  default_length: int = 64, causal: bool = True, depth_bins: int = 10):
-        if filler not in FILLERS:
-            raise ValueError(f"task.filler={filler!r} is not valid; choose one of {list(FILLERS)}")
+        Choice(FILLERS)("task.filler", filler, self.name)
         self.digits = Integer(1)("task.digits", digits, self.name)
         self.filler, self.filler_symbols = filler, Integer(1)("task.filler_symbols", filler_symbols, self.name)
         self.key_open, self.key_close = 10 + self.filler_symbols, 11 + self.filler_symbols

@@ -32,6 +32,8 @@ from urllib.parse import urlsplit
 import numpy as np
 import torch
 
+from posbench.checks import Choice
+
 HUB_REPO = "Salesforce/wikitext"
 DATASETS = ("wikitext-2-v1", "wikitext-2-raw-v1", "wikitext-103-v1", "wikitext-103-raw-v1")
 SPLITS = ("train", "validation", "test")
@@ -43,11 +45,6 @@ CACHE_VERSION = 1  # bump when the cached format or the tokenisation changes
 
 class DataUnavailableError(RuntimeError):
     """Neither the hub nor task.data_dir could provide the WikiText rows."""
-
-
-def check_choice(key: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"task.{key}={value!r} is not valid; choose one of {list(choices)}")
 
 
 HOW_TO_FIX = (
@@ -239,8 +236,8 @@ class Corpus:
     """One WikiText dataset from one source, tokenised one way, with its cache."""
 
     def __init__(self, dataset: str, data_dir: str | Path | None, tokenizer: str, cache_dir: str | Path | None):
-        check_choice("dataset", dataset, DATASETS)
-        check_choice("tokenizer", tokenizer, TOKENIZERS)
+        Choice(DATASETS)("task.dataset", dataset)
+        Choice(TOKENIZERS)("task.tokenizer", tokenizer)
         self.dataset, self.tokenizer_name = dataset, tokenizer
         self.data_dir = Path(data_dir).expanduser() if data_dir else None
         self.cache_dir = Path(cache_dir).expanduser() / "wikitext" if cache_dir else None
@@ -263,7 +260,7 @@ class Corpus:
                                    f"{self.dataset}; it holds {present}.{hint}\n{HOW_TO_FIX}")
 
     def rows(self, split: str) -> list[str]:
-        check_choice("split", split, SPLITS)
+        Choice(SPLITS)("task.split", split)
         if self.data_dir is None:
             return hub_rows(self.dataset, split)
         return release_rows(self.source_file(split))

@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from posbench.checks import Flag, Integer
+from posbench.checks import Choice, Flag, Integer
 from posbench.metrics import LANGUAGE_MODEL
 from tasks.base import Batch, Task, batch_metrics
-from tasks.text_data import SPLITS, Corpus, TokenIds, check_choice
+from tasks.text_data import SPLITS, Corpus, TokenIds
 
 PROTOCOLS = {"non_overlapping": "", "sliding": "sliding_", "recurrent": "recurrent_"}  # -> prefix of its metrics
 
@@ -77,7 +77,7 @@ class WikiText(Task):
         if not Flag()("task.causal", causal, self.name):
             raise ValueError(f"task={self.name}: causal={causal} is not possible; language modelling predicts each "
                              "next token, so it needs a causal decoder (model.causal=true)")
-        check_choice("eval_split", eval_split, SPLITS[1:])
+        Choice(SPLITS[1:])("task.eval_split", eval_split, self.name)
         self.memory = Integer(0)("task.memory", memory, self.name)  # segment-recurrence tokens; 0: off
         self.eval_tokens = Integer(1, null="the whole split")("task.eval_tokens", eval_tokens, self.name)
         self.stride = Integer(1, null="L // 4")("task.stride", stride, self.name)

@@ -42,7 +42,7 @@ def test_a_block_reads_as_its_entries():
 
 
 @pytest.mark.parametrize("path, value, message", [
-    ("metric", "accuracy", "published.results[0].metric='accuracy' is not a row metric"),
+    ("metric", "accuracy", "published.results[0].metric='accuracy' is not valid; choose one of"),
     ("lengths", [40, 21], "published.results[0].lengths=[40, 21]: the first length must not exceed the last"),
     ("lengths", [21], "published.results[0].lengths=[21]: must be [first, last]"),
     ("lengths", [0, 4], "published.results[0].lengths[0]=0: must be >= 1"),

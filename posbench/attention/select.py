@@ -8,8 +8,10 @@ from posbench.attention.backend import Backend
 from posbench.attention.eager import EagerBackend
 from posbench.attention.flex import IN_DYNAMIC_COMPILE, FlexBackend, flex_refusal
 from posbench.attention.sdpa import SdpaBackend
+from posbench.checks import Choice
 from posbench.encodings.base import Encoding
 from posbench.hooks import EAGER, FLEX, SDPA
+from posbench.settings import BACKEND_CHOICES
 
 BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (EagerBackend, SdpaBackend, FlexBackend)}
 
@@ -37,8 +39,7 @@ def get_backend(name: str, encoding: Encoding | None = None, device: torch.devic
                 name = FLEX
             except ValueError:  # a bias without a score_mod stays on sdpa
                 pass
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; choose one of {['auto', *sorted(BACKENDS)]}")
+    Choice(BACKEND_CHOICES)("backend.name", name)
     if name == FLEX and dynamic_compile:
         raise ValueError(IN_DYNAMIC_COMPILE)
     return BACKENDS[name]()
