@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from posbench import gpu_slots
 from posbench.attention import crossover
 from posbench.attention.select import BACKENDS, measured_backend
+from posbench.checks import Choice
 from posbench.encodings import REGISTRY
 from posbench.encodings.base import Encoding, ModelDims
 from posbench.guard import GuardResult, check_run, check_training, translate_oom
@@ -23,7 +24,7 @@ from posbench.model import ModelConfig, Transformer
 from posbench.positions import PositionScheme, position_scheme
 from posbench.rundir import CHECKPOINT_FILE, load_checkpoint
 from posbench.runinfo import with_added_settings
-from posbench.validate import check_built, check_choice_value, check_config
+from posbench.validate import check_built, check_config
 from tasks.base import Task
 
 
@@ -134,9 +135,6 @@ def plan_run(cfg: DictConfig, device: torch.device) -> Built:
     if cfg.backend.name == "auto" and crossover.table_path(device) is not None:
         eval_backends = {length: measured_backend("auto", encoding, device, task.sequence_length(length),
                                                   training=False, windowed=windowed).name for length in lengths}
-    if backend.name == "flex" and device.type == "cpu" and trains:
-        raise ValueError("backend=flex trains on CUDA only; on CPU it evaluates (train.steps=0 with "
-                         "train.init_from); use backend=sdpa or auto for training")
     if cfg.train.compile is not False and trains and device.type == "cpu" and os.environ.get("ATEN_CPU_CAPABILITY"):
         raise ValueError(f"train.compile={str(cfg.train.compile).lower()} on the CPU under ATEN_CPU_CAPABILITY="
                          f"{os.environ['ATEN_CPU_CAPABILITY']}: torch's inductor fails there (default: its C++ does not "
@@ -235,6 +233,6 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 
 def autocast(device: torch.device, precision: str):
     """The context the forward runs in: bf16 autocast, or fp32 as it is."""
-    check_choice_value("train.precision", precision, PRECISIONS)
+    Choice(tuple(PRECISIONS))("train.precision", precision)
     dtype = PRECISIONS[precision]
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)

@@ -13,7 +13,7 @@ import inspect
 from omegaconf import DictConfig, OmegaConf
 
 from posbench import draws, settings
-from posbench.checks import Choice, shown
+from posbench.checks import shown
 from posbench.settings import DEVICE_FORMS, PRECISION_NAMES, SCHEDULES, TRAIN_LENGTH_MODES  # noqa: F401 (re-exported)
 from posbench.settings import PARAMETER_SECTIONS, SECTIONS, SETTINGS
 
@@ -22,10 +22,6 @@ ABSENT = object()
 # A key the config lacks (one being added elsewhere, logger.project with logger=none) is skipped. Warm-up may
 # exceed train.steps: the rate then only ramps up, which a short smoke or evaluation-only (steps=0) run relies on.
 RULES = {s.key: s.rule for s in SETTINGS}
-
-
-def check_choice_value(key: str, value, choices) -> None:
-    Choice(tuple(choices))(key, value)
 
 
 def eval_chunk(setting) -> int | str | None:
