@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from posbench.encodings.alibi import alibi_slopes
-from posbench.encodings.base import Encoding, ModelDims, check_choice, grid_offsets, require_grid
+from posbench.checks import Choice
+from posbench.encodings.base import Encoding, ModelDims, grid_offsets, require_grid
 
 DISTANCES = ("euclidean", "manhattan")
 
@@ -21,7 +22,7 @@ class ALiBi2D(Encoding):
     def __init__(self, dims: ModelDims, distance: str = "euclidean"):
         super().__init__(dims)
         require_grid(self.name, dims)
-        check_choice(self.name, "encoding.distance", distance, DISTANCES)
+        Choice(DISTANCES)("encoding.distance", distance, self.name)
         self.distance = distance
         self.register_buffer("slopes", alibi_slopes(dims.n_heads).float(), persistent=False)  # [H]
 

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posbench.encodings.base import Encoding, ModelDims, check_choice
+from posbench.checks import Choice
+from posbench.encodings.base import Encoding, ModelDims
 
 LOGIT_SCALES = ("none", "sqrt_d")
 
@@ -31,7 +32,7 @@ class CABLE(Encoding):
 
     def __init__(self, dims: ModelDims, logit_scale: str = "none"):
         super().__init__(dims)
-        check_choice(self.name, "encoding.logit_scale", logit_scale, LOGIT_SCALES)
+        Choice(LOGIT_SCALES)("encoding.logit_scale", logit_scale, self.name)
         if not dims.causal:
             raise ValueError("cable: its bias sums softplus gates over the tokens from the key to the query, a "
                              "causal sum; set model.causal=true (its paper and code are causal only)")

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from posbench.checks import Flag, Real
-from posbench.encodings.base import Encoding, ModelDims, check_choice
+from posbench.checks import Choice, Flag, Real
+from posbench.encodings.base import Encoding, ModelDims
 from posbench.encodings.rope import RoPE
 
 FORMS = ("elementwise", "headwise")
@@ -29,7 +29,7 @@ class Gated(Encoding):
 
     def __init__(self, dims: ModelDims, form: str = "elementwise", rope: bool = False, rope_base: float = 10000.0):
         super().__init__(dims)
-        check_choice(self.name, "encoding.form", form, FORMS)
+        Choice(FORMS)("encoding.form", form, self.name)
         self.form = form
         self.rope = Flag()("encoding.rope", rope, self.name)
         self.rope_base = Real(above=1)("encoding.rope_base", rope_base, self.name)

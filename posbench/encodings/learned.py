@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from posbench.checks import Real
-from posbench.encodings.base import Encoding, ModelDims, check_choice, position_range
+from posbench.checks import Choice, Real
+from posbench.encodings.base import Encoding, ModelDims, position_range
 from posbench.encodings.hierarchical import check_hierarchical, hierarchical_rows
 
 # error: refuse before training; clamp: reuse the last trained row; random: the untrained
@@ -20,7 +20,7 @@ class Learned(Encoding):
 
     def __init__(self, dims: ModelDims, policy: str = "random", init_std: float = 0.02, alpha: float = 0.4):
         super().__init__(dims)
-        check_choice("learned", "encoding.policy", policy, POLICIES)
+        Choice(POLICIES)("encoding.policy", policy, "learned")
         init_std = Real(least=0)("encoding.init_std", init_std, self.name)
         self.alpha = Real()("encoding.alpha", alpha, self.name)
         if policy == "hierarchical":

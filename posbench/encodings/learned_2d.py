@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posbench.checks import Real
-from posbench.encodings.base import Encoding, ModelDims, check_choice, require_grid
+from posbench.checks import Choice, Real
+from posbench.encodings.base import Encoding, ModelDims, require_grid
 
 POLICIES = ("interpolate", "clamp", "error")
 
@@ -36,7 +36,7 @@ class Learned2D(Encoding):
     def __init__(self, dims: ModelDims, policy: str = "interpolate", init_std: float = 0.02):
         super().__init__(dims)
         require_grid(self.name, dims)
-        check_choice(self.name, "encoding.policy", policy, POLICIES)
+        Choice(POLICIES)("encoding.policy", policy, self.name)
         init_std = Real(least=0)("encoding.init_std", init_std, self.name)
         if policy == "error" and dims.max_side > dims.train_side:
             raise ValueError(

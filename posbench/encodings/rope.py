@@ -71,8 +71,8 @@ from typing import Callable
 
 import torch
 
-from posbench.checks import Flag, Integer, Items, Real
-from posbench.encodings.base import Encoding, ModelDims, check_choice
+from posbench.checks import Choice, Flag, Integer, Items, Real
+from posbench.encodings.base import Encoding, ModelDims
 
 LAYOUTS = ("half", "interleaved")
 FREQUENCY_CUTS = ("none", "hope")
@@ -257,9 +257,9 @@ class RoPE(Encoding):
                  start_positions: int = 0, resonance: bool = False):
         super().__init__(dims)
         self.resonance = Flag()("encoding.resonance", resonance, self.name)
-        check_choice(self.name, "encoding.layout", layout, LAYOUTS)
-        check_choice(self.name, "encoding.scaling", scaling, SCALINGS)
-        check_choice(self.name, "encoding.frequency_cut", frequency_cut, FREQUENCY_CUTS)
+        Choice(LAYOUTS)("encoding.layout", layout, self.name)
+        Choice(SCALINGS)("encoding.scaling", scaling, self.name)
+        Choice(FREQUENCY_CUTS)("encoding.frequency_cut", frequency_cut, self.name)
         base = Real(above=1)("encoding.base", base, self.name)  # theta_m = base^(-2m/d) must fall with m
         scaling_factor = Real(least=1, null="L / N")("encoding.scaling_factor", scaling_factor, self.name)
         original_positions = Integer(1, null="this run's training length")("encoding.original_positions",

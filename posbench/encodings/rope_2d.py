@@ -26,8 +26,8 @@ import math
 import torch
 from torch import nn
 
-from posbench.checks import Real
-from posbench.encodings.base import Encoding, ModelDims, check_choice, require_grid
+from posbench.checks import Choice, Real
+from posbench.encodings.base import Encoding, ModelDims, require_grid
 from posbench.encodings.rope import LAYOUTS, SCALINGS, rope_inv_freq, rotate_by_angles
 
 
@@ -61,8 +61,8 @@ def mixed_init(head_dim: int, n_heads: int, base: float) -> tuple[torch.Tensor, 
 
 def check_rope_2d(name: str, dims: ModelDims, base: float, layout: str, scaling: str, scaling_factor) -> None:
     require_grid(name, dims)
-    check_choice(name, "encoding.layout", layout, LAYOUTS)
-    check_choice(name, "encoding.scaling", scaling, SCALINGS)
+    Choice(LAYOUTS)("encoding.layout", layout, name)
+    Choice(SCALINGS)("encoding.scaling", scaling, name)
     Real(above=1)("encoding.base", base, name)  # magnitudes 1 / base^(4t/d) must fall with t
     Real(least=1, null="eval side / train side")("encoding.scaling_factor", scaling_factor, name)
     if dims.head_dim % 4:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from posbench.checks import Real
-from posbench.encodings.base import Encoding, ModelDims, check_choice
+from posbench.checks import Choice, Real
+from posbench.encodings.base import Encoding, ModelDims
 
 LAYOUTS = ("interleaved", "concat")
 
@@ -30,7 +30,7 @@ class Sinusoidal(Encoding):
 
     def __init__(self, dims: ModelDims, layout: str = "interleaved", base: float = 10000.0):
         super().__init__(dims)
-        check_choice("sinusoidal", "encoding.layout", layout, LAYOUTS)
+        Choice(LAYOUTS)("encoding.layout", layout, "sinusoidal")
         if dims.d_model % 2:
             raise ValueError(f"sinusoidal needs an even model size, got model.d_model={dims.d_model}; "
                              "set model.d_model to an even number")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from posbench.checks import Real
-from posbench.encodings.base import Encoding, ModelDims, check_choice, require_grid
+from posbench.checks import Choice, Real
+from posbench.encodings.base import Encoding, ModelDims, require_grid
 from posbench.encodings.sinusoidal import LAYOUTS, sinusoidal_table
 
 
@@ -29,7 +29,7 @@ class Sinusoidal2D(Encoding):
     def __init__(self, dims: ModelDims, layout: str = "interleaved", base: float = 10000.0):
         super().__init__(dims)
         require_grid(self.name, dims)
-        check_choice(self.name, "encoding.layout", layout, LAYOUTS)
+        Choice(LAYOUTS)("encoding.layout", layout, self.name)
         if dims.d_model % 4:
             raise ValueError(f"sinusoidal_2d gives half the channels to the row and half to the column, each in "
                              f"sin/cos pairs, so it needs model.d_model % 4 == 0; got model.d_model={dims.d_model}")

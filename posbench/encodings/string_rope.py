@@ -36,8 +36,8 @@ import math
 
 import torch
 
-from posbench.checks import Flag, Integer
-from posbench.encodings.base import ModelDims, check_choice, relative_distance
+from posbench.checks import Choice, Flag, Integer
+from posbench.encodings.base import ModelDims, relative_distance
 from posbench.encodings.rope import RoPE
 
 BOUNDARIES = ("once", "twice")
@@ -83,7 +83,7 @@ class STRING(RoPE):
                              f"{shifted_offset}: the keys at distance t >= S move to t - S + W, closer only if W < S")
         self.shifted_offset = shifted_offset
         self.attention_factor_on = Flag()("encoding.attention_factor", attention_factor, self.name)
-        check_choice(self.name, "encoding.boundary", boundary, BOUNDARIES)
+        Choice(BOUNDARIES)("encoding.boundary", boundary, self.name)
         self.boundary = boundary
 
     def params(self) -> dict:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from posbench.checks import Real
-from posbench.encodings.base import Encoding, ModelDims, check_choice
+from posbench.checks import Choice, Real
+from posbench.encodings.base import Encoding, ModelDims
 from posbench.encodings.rope import LAYOUTS, rope_inv_freq, rotate
 
 
@@ -40,7 +40,7 @@ class XPos(Encoding):
     def __init__(self, dims: ModelDims, base: float = 10000.0, layout: str = "half", gamma: float = 0.4,
                  scale_base: float = 512.0):
         super().__init__(dims)
-        check_choice("xpos", "encoding.layout", layout, LAYOUTS)
+        Choice(LAYOUTS)("encoding.layout", layout, "xpos")
         if dims.head_dim % 2:
             raise ValueError(f"xpos rotates feature pairs and needs an even head size, got "
                              f"model.d_model / model.n_heads = {dims.d_model}/{dims.n_heads} = {dims.head_dim}; "
