@@ -13,20 +13,22 @@ against the peak resident set measured by posbench.memory: tests/test_guard.py).
                  feed-forward  (2 r + MLP_EXTRA_ROWS (4)) rows
                  head          2 rows + B x T x (V x 4 x HEAD_COPIES (3) + 32)
     attention    one chunk of queries of one layer, as posbench.attention.layer runs it:
-                 - eager: logits [B, H, c, K] x EAGER_COPIES (8) (+ the bias block twice); no chunking (c = T)
+                 - eager: logits [B, H, c, K] x EAGER_COPIES (3) (+ the bias block twice); no chunking (c = T)
                    when the encoding needs neither logits, nor a decay, nor a window;
-                 - sdpa with a bias: the bias block [1, H, c, K] x SDPA_BIAS_COPIES (2), plus BIAS_BUILD_BYTES (48)
+                 - sdpa with a bias: the bias block [1, H, c, K] x SDPA_BIAS_COPIES (2), plus BIAS_BUILD_BYTES (32)
                    + 4 H bytes per query-key pair where the bias is built per block (not relative, or positions
                    not contiguous: randomized, 2-D);
                  - a window: its -inf mask [1, 1, c, K] and offsets; a decay alone (DECAY_CHUNK queries): k and v
                    one column wider, 2 x [B, H, K, D/H + 1];
                  - fused kernels (sdpa without a bias, flex): 4 x [B, H, T] floats;
+                 - what the encoding's hooks allocate beyond these (Encoding.extra_memory: its own [B, H, c, K]
+                   tensors, per-token tables), declared for the layer's shape (posbench.encodings.base.LayerShape);
                  c: eval.chunk (auto: max(MIN_AUTO_CHUNK, AUTO_CHUNK_ELEMENTS // ((B if eager else 1) x H x K));
                  null: T), K: the keys a chunk sees (T; c + window - 1 with a causal window); when no layer
                  chunks, each distinct layer's bias [1, H, T, K] is held for the forward
     model        parameters x 4 bytes (the gradients training leaves behind); for a plan (posbench.build
                  .plan_run: the model on the meta device, not yet allocated) its parameters and buffers too
-    + OVERHEAD   16 MiB: the allocator, thread workspaces
+    + OVERHEAD   8 MiB: the allocator, thread workspaces
 
 `memory_limit` is eval.memory_limit in MiB, or the memory available less a margin, and on the CPU never
 more than the process's own limits (RLIMIT_AS less VmSize, RLIMIT_DATA less VmData) less a margin; it
@@ -52,6 +54,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from posbench import settings
 from posbench.attention.layer import Attention
 from posbench.attention.select import BACKENDS
+from posbench.encodings.base import LayerShape
 from posbench.hooks import needs_logits
 from posbench.memory import rss_kb
 from posbench.validate import eval_chunk
@@ -71,10 +74,11 @@ DRAW_BYTES_PER_SYMBOL = 24
 ATTENTION_ROWS = 10  # [B, T, D] tensors live around attention: x, norm, q k v, rotated q k, output blocks, copies
 MLP_EXTRA_ROWS = 4  # beside the [B, T, mlp_ratio D] pair: x, its norm, the output, the sum
 HEAD_COPIES = 3  # [B, T, V]: the logits, log-softmax, the loss's temporaries (+ 32 bytes a token: argmax, masks)
-EAGER_COPIES = 8  # [B, H, c, K] tensors an eager call holds at once (logits, bias sum, mask, softmax, hooks)
+EAGER_COPIES = 3  # [B, H, c, K] tensors an eager call holds at once (logits, masked, softmax; the hooks' own:
+# Encoding.extra_memory)
 SDPA_BIAS_COPIES = 2  # [1, H, c, K]: the block's bias and a contiguous slice or float copy of it
-BIAS_BUILD_BYTES = 48  # per query-key pair: relative offsets, buckets (int64) of a bias built for the block
-OVERHEAD = 16 * MIB
+BIAS_BUILD_BYTES = 32  # per query-key pair: relative offsets, buckets (int64) of a bias built for the block
+OVERHEAD = 8 * MIB
 MARGIN_FRACTION, MARGIN_LEAST = 0.10, 512 * MIB  # kept free of the memory available: the larger of the two
 SETTING = "eval.memory_limit"
 
@@ -124,10 +128,12 @@ def query_block(built, backend, window: int | None, batch: int, queries: int, ke
     return Attention.query_block(layer, built.encoding, batch, queries, keys)
 
 
-def attention_bytes(built, cfg, length: int, batch: int, tokens: int, keys: int, window: int | None,
+def attention_bytes(built, cfg, length: int, batch: int, tokens: int, keys: int, layer: int,
                     chunk_setting) -> tuple[float, int | None]:
-    """One layer's attention in evaluation: bytes at its largest chunk, and the chunk (None: one call)."""
+    """One layer's attention in evaluation: bytes at its largest chunk with what the encoding declares for it
+    (Encoding.extra_memory), and the chunk (None: one call)."""
     mcfg = built.model.cfg
+    window = mcfg.layer_window(layer)
     heads, head_dim = mcfg.n_heads, mcfg.d_model // mcfg.n_heads
     encoding = built.encoding
     hooks = set(encoding.hooks)
@@ -136,12 +142,17 @@ def attention_bytes(built, cfg, length: int, batch: int, tokens: int, keys: int,
     logits = needs_logits(hooks) or window is not None
     decay = "decay" in hooks
     per_sequence = backend.per_sequence_logits
+
+    def declared(block: int | None, pairs: float) -> float:
+        return encoding.extra_memory(layer, LayerShape(batch, heads, tokens, keys, block, pairs, training=False))
+
     if not backend.takes_bias:  # flex: block masks, its own bounded memory
-        return rows_fused, None
+        return rows_fused + declared(None, 0.0), None
     if not (logits or decay):
         if per_sequence:  # eager without chunking: every query's logits at once
-            return EAGER_COPIES * batch * heads * tokens * keys * FLOAT, None
-        return rows_fused, None
+            pairs = float(tokens) * keys
+            return EAGER_COPIES * batch * heads * pairs * FLOAT + declared(None, pairs), None
+        return rows_fused + declared(None, 0.0), None
     block = query_block(built, backend, window, batch, tokens, keys, training=False, chunk_setting=chunk_setting)
     chunk = block or tokens
     seen = keys
@@ -162,7 +173,8 @@ def attention_bytes(built, cfg, length: int, batch: int, tokens: int, keys: int,
             total += pairs * (3 * FLOAT + 8 + 2)  # zeros, the -inf mask, offsets and booleans
     else:  # a decay alone: q, k, v one column wider, each chunk against its whole key prefix
         total = (2.0 * keys + chunk) * batch * heads * (head_dim + 1) * FLOAT
-    return total + rows_fused, block
+        pairs = 0.0
+    return total + rows_fused + declared(block, pairs), block
 
 
 def data_bytes_per_token(task) -> float:
@@ -201,9 +213,8 @@ def estimate(cfg: DictConfig, built, length: int, batch: int | None = None, chun
     data = drawn * (tokens * data_bytes_per_token(task) + alphabet_draw_bytes(task)) + position_bytes
     row = float(batch) * tokens * d_model * FLOAT  # one [B, T, D] tensor
     attention, chunk = 0.0, None
-    for window in sorted({mcfg.layer_window(layer) for layer in range(mcfg.n_layers)},
-                         key=lambda w: (w is not None, w or 0)):
-        size, layer_chunk = attention_bytes(built, cfg, length, batch, tokens, keys, window, chunk_setting)
+    for layer in range(mcfg.n_layers):
+        size, layer_chunk = attention_bytes(built, cfg, length, batch, tokens, keys, layer, chunk_setting)
         if size > attention:
             attention, chunk = size, layer_chunk
     if "bias" in built.encoding.hooks and chunk is None and BACKENDS[built.backend_at(length)].takes_bias:
@@ -458,17 +469,16 @@ def check_run(cfg: DictConfig, built, device: torch.device | str = "cpu") -> Gua
 
 # --- training, from the plan ---------------------------------------------------------------------------
 
-# these estimates were 0.9-1.35x the measured peaks of a build, its optimizer and two training steps (rope, t5,
-# fire, kerple, cope, deberta, path, learned tables, large vocabularies; an eager alibi, not auto's choice, 1.8x):
-# tests/test_guard.py, test_the_training_estimate_bounds_the_measured_peak
+# these estimates against the measured peaks of a build, its optimizer and two training steps: every encoding at
+# 4,095 tokens in results/reference/guard_memory.csv (scripts/memory_guard_check.py), and
+# tests/test_guard.py's test_the_training_estimate_bounds_the_measured_peak
 OPTIMIZER_COPIES = 5  # per parameter beyond itself: its initialisation's temporary, gradient, AdamW's two moments
 # and the step's temporaries
 TRAIN_EXTRA_ROWS = 6  # [B, T, D] tensors of the backward beside those a layer keeps (ATTENTION_ROWS, the MLP's)
 TRAIN_HEAD_COPIES = 4  # [B, T, V]: the logits, log-softmax, their gradients
-TRAIN_BIAS_COPIES = 2  # [1, H, T, K] of a layer's bias on sdpa, kept for the backward: the bias, its gradient
-# [B, H, T, K] tensors an eager layer keeps for the backward: EAGER_COPIES (the logits' hooks keep theirs; cope,
-# deberta, shaw measured 6-9), and the encodings that keep more
-TRAIN_EAGER_COPIES = {"path": 18}
+TRAIN_BIAS_COPIES = 1  # [1, H, T, K] of a layer's bias on sdpa, kept for the backward (how it is built and its
+# gradient: Encoding.extra_memory)
+TRAIN_EAGER_COPIES = 2  # [B, H, T, K] tensors an eager layer keeps for the backward (the hooks' own: extra_memory)
 DEFAULT_LONGEST_RATIO = 4  # eval.ratios' largest by default: a position table of 4 N rows is the usual size
 
 
@@ -521,16 +531,19 @@ def training_attention_bytes(built, batch: int, tokens: int) -> float:
         window = mcfg.layer_window(layer)
         logits = needs_logits(encoding.hooks) or window is not None
         if not backend.takes_bias or not (logits or backend.per_sequence_logits):
-            total += rows_fused  # fused kernels keep their output and log-sum-exps
+            # fused kernels keep their output and log-sum-exps
+            total += rows_fused + encoding.extra_memory(layer, LayerShape(batch, heads, tokens, tokens, None, 0.0,
+                                                                          training=True))
             continue
         block = query_block(built, backend, window, batch, tokens, tokens, training=True)
         # each block of queries keeps its logits against its key prefix
         pairs = float(tokens) * tokens if block is None else float(tokens) * (tokens + block) / 2
         if backend.per_sequence_logits:
-            total += TRAIN_EAGER_COPIES.get(encoding.name, EAGER_COPIES) * batch * heads * pairs * FLOAT
+            total += TRAIN_EAGER_COPIES * batch * heads * pairs * FLOAT
         elif "bias" in encoding.hooks and (layer == 0 or not encoding.bias_layers_shared):
             total += TRAIN_BIAS_COPIES * heads * pairs * FLOAT
-        total += rows_fused
+        total += rows_fused + encoding.extra_memory(layer, LayerShape(batch, heads, tokens, tokens, block, pairs,
+                                                                      training=True))
     return total
 
 

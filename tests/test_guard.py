@@ -4,6 +4,8 @@ stays above the peak resident set measured here, within a small factor; the proc
 (ulimit -v, -d) bound it; training is judged from the plan before anything big is allocated, naming
 the setting at fault; allocation errors are told in the run's terms."""
 
+import csv
+import importlib.util
 import json
 import os
 import resource
@@ -345,6 +347,52 @@ def test_the_training_estimate_bounds_the_measured_peak(overrides):
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.splitlines()[-1])
     assert 0.8 * result["measured"] <= result["estimated"] <= 1.6 * result["measured"], result
+
+
+# --- the committed table: every encoding's estimate against its measured peak at 4,095 tokens ------------
+
+GUARD_TABLE = ROOT / "results" / "reference" / "guard_memory.csv"
+GUARD_FACTOR = 1.5
+
+
+def guard_script():
+    spec = importlib.util.spec_from_file_location("memory_guard_check", ROOT / "scripts" / "memory_guard_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_encodings_estimate_is_within_its_factor_of_the_committed_peak():
+    """results/reference/guard_memory.csv (scripts/memory_guard_check.py): a training step and an evaluation
+    forward of every registered 1-D encoding at 4,095 tokens, each estimate within 1.5x of its measured peak."""
+    script = guard_script()
+    with GUARD_TABLE.open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    measured = {(r["encoding"], r["mode"]) for r in rows if not r["setting"]}
+    missing = {(name, mode) for name in script.sequence_encodings() for mode in script.MODES} - measured
+    assert not missing, f"no row in {GUARD_TABLE.name} (run scripts/memory_guard_check.py): {sorted(missing)}"
+    off = [(r["encoding"], r["setting"], r["mode"], r["ratio"]) for r in rows
+           if not 1 / GUARD_FACTOR <= float(r["estimate_bytes"]) / (float(r["measured_mib"]) * 2**20) <= GUARD_FACTOR]
+    assert not off, off
+
+
+def test_the_committed_estimates_are_the_guards_today(monkeypatch):
+    """A change that moves an estimate changes this table's: re-measure (scripts/memory_guard_check.py)."""
+    monkeypatch.setattr(build_module, "check_run", lambda cfg, built, device: None)
+    script = guard_script()
+    with GUARD_TABLE.open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    moved = []
+    for r in rows:
+        length = int(r["tokens"]) // 2  # copy: 2 n + 1 tokens
+        cfg = script.compose(r["encoding"], r["setting"], r["mode"], length)
+        if r["mode"] == "train":
+            now = script.train_estimate(cfg)
+        else:
+            now = script.eval_estimate(cfg, build(cfg, CPU), length)
+        if round(now) != int(r["estimate_bytes"]):
+            moved.append((r["encoding"], r["setting"], r["mode"], int(r["estimate_bytes"]), round(now)))
+    assert not moved, f"estimates moved since {GUARD_TABLE.name} was measured: {moved}"
 
 
 # --- allocation errors ---------------------------------------------------------------------------------

@@ -32,6 +32,34 @@ from torch import nn
 from posbench.hooks import HOOKS
 from posbench.positions import raster
 
+FLOAT_BYTES = 4  # extra_memory's unit: float32
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One layer's attention as posbench.guard sizes it, for Encoding.extra_memory."""
+
+    batch: int
+    heads: int
+    tokens: int  # the layer's queries
+    keys: int
+    block: int | None  # queries per block (evaluation: per chunk; None: one call over all)
+    pairs: float  # query-key pairs whose logits are alive at once: one chunk's, or every training block's
+    # (kept for the backward); 0 on a fused kernel
+    training: bool
+
+    def pair_bytes(self, copies: float = 1.0) -> float:
+        """`copies` float32 [B, H, pairs] tensors: the unit of most declarations."""
+        return copies * FLOAT_BYTES * self.batch * self.heads * self.pairs
+
+    def bias_bytes(self, copies: float = 1.0) -> float:
+        """`copies` float32 [1, H, pairs] tensors: a bias shared by the batch."""
+        return copies * FLOAT_BYTES * self.heads * self.pairs
+
+    def full_bytes(self, copies: float = 1.0) -> float:
+        """`copies` float32 [B, H, tokens, keys] tensors: every query against every key at once."""
+        return copies * FLOAT_BYTES * self.batch * self.heads * self.tokens * self.keys
+
 
 @dataclass(frozen=True)
 class ModelDims:
@@ -116,6 +144,14 @@ class Encoding(nn.Module):
 
     def logit_scale(self, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
+
+    def extra_memory(self, layer: int, shape: LayerShape) -> float:
+        """Bytes this encoding's hooks hold at once in `layer` beyond what posbench.guard counts for their kinds
+        (the backend's logits, mask and softmax; a bias; q, k and v): its own [B, H, Lq, Lk] tensors and tables
+        per token, at `shape` (a training step, where autograd keeps what the backward needs, or an evaluation
+        forward). A hook run once per forward (embed) counts at layer 0. float32's bytes, the guard's bound.
+        Default: none."""
+        return 0.0
 
     def embed(self, x: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [B, L, D] token embeddings, pos: [B', L] ([B', L, 2] if position_dims = 2), ids: [B, L] -> [B, L, D]."""

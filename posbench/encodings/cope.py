@@ -29,7 +29,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from posbench.checks import Integer
-from posbench.encodings.base import Encoding, ModelDims
+from posbench.encodings.base import Encoding, LayerShape, ModelDims
 
 
 class _Positional(torch.autograd.Function):
@@ -117,6 +117,11 @@ class CoPE(Encoding):
 
     def params(self) -> dict:
         return {"npos": self.npos}
+
+    def extra_memory(self, layer: int, shape: LayerShape) -> float:
+        # [B, H, Lq, Lk]: the gates, their reversed cumulative sum (the positions), the interpolation's floor,
+        # weight and lookups; training keeps the gates and positions for the backward
+        return shape.pair_bytes(4.5 if shape.training else 3.5)
 
     def logit_transform(self, logits, q, k, call):
         compute = torch.promote_types(q.dtype, torch.float32)  # the gates, their sums and r

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from posbench.checks import Flag, Integer, Real
-from posbench.encodings.base import Encoding, ModelDims, relative_distance, score_positions
+from posbench.encodings.base import Encoding, LayerShape, ModelDims, relative_distance, score_positions
 
 NORMALISER_EPS = 1e-6
 
@@ -83,6 +83,12 @@ class FIRE(Encoding):
     def params(self) -> dict:
         return {"mlp_width": self.mlp_width, "init_c": self.init_c, "init_threshold": self.init_threshold,
                 "share_layers": self.share_layers}
+
+    def extra_memory(self, layer: int, shape: LayerShape) -> float:
+        # training: the bias's autograd record, the distances, their normalisation and the MLP's segment lookups, and its gradient, beside the bias the guard counts
+        if not shape.training or (self.bias_layers_shared and layer):
+            return 0.0
+        return shape.bias_bytes(3.25)
 
     def bias(self, q_pos, k_pos, layer):
         copy = 0 if self.share_layers else layer

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from posbench.checks import Flag, Integer, Real
-from posbench.encodings.base import Encoding, ModelDims
+from posbench.encodings.base import Encoding, LayerShape, ModelDims
 
 
 def rk4_trajectory(func: Callable[[float, torch.Tensor], torch.Tensor], y0: torch.Tensor, step: float,
@@ -42,6 +42,8 @@ def rk4_trajectory(func: Callable[[float, torch.Tensor], torch.Tensor], y0: torc
         if (i + 1) % record_every == 0:
             states.append(y)
     return torch.stack(states)  # [n_steps // record_every + 1, *y0.shape]
+
+RK4_STEP_BYTES = 56_000  # training: what autograd keeps per integration step (extra_memory)
 
 
 class Dynamics(nn.Module):
@@ -80,6 +82,11 @@ class Floater(Encoding):
     def params(self) -> dict:
         return {"delta": self.delta, "substeps": self.substeps, "hidden": self.dynamics.hidden.out_features,
                 "learn_initial": self.learn_initial, "init_std": self.init_std}
+
+    def extra_memory(self, layer: int, shape: LayerShape) -> float:
+        # training, once per forward: autograd's record of every RK4 step up to the last position (4 calls of
+        # the dynamics' MLP, each a few small tensors and their nodes: measured ~56 kB a step at d_model 64)
+        return shape.tokens * self.substeps * RK4_STEP_BYTES if shape.training and not layer else 0.0
 
     def trajectory(self, top: int) -> torch.Tensor:
         """p(k * delta) for k = 0..top: [top + 1, D]."""

@@ -35,7 +35,7 @@ from torch import nn
 
 from posbench.checks import Choice, Flag, Integer, Real
 from posbench.encodings.alibi import alibi_slopes
-from posbench.encodings.base import Encoding, ModelDims, relative_distance
+from posbench.encodings.base import Encoding, LayerShape, ModelDims, relative_distance
 from posbench.encodings.rope import rope_inv_freq, rotate
 
 FORMS = ("multiplicative", "additive", "path")
@@ -105,6 +105,12 @@ class GRAPE(Encoding):
         if self.qk_norm:
             q, k = self.norm(q, layer, 0), self.norm(k, layer, 1)
         return q, k
+
+    def extra_memory(self, layer: int, shape: LayerShape) -> float:
+        # additive: the distances and the gate sum [B, H, Lq, Lk] and the term; path: psi, its shift and the
+        # reversed cumulative sum [B, H, Lq, Lk]; training keeps them for the backward
+        copies = {"multiplicative": (0.0, 0.0), "additive": (3.0, 1.0), "path": (3.75, 1.5)}[self.form]
+        return shape.pair_bytes(copies[0] if shape.training else copies[1])
 
     def key_term(self, q, k, q_pos, k_pos, layer):
         if self.form != "additive":

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posbench.encodings.base import Encoding, ModelDims
+from posbench.encodings.base import FLOAT_BYTES, Encoding, LayerShape, ModelDims
 
 W_RANK = 32  # fla's low-rank projection of w (heads not shared)
 CONV_WIDTH = 3
@@ -56,6 +56,16 @@ class PaTH(Encoding):
         w = F.normalize(w.to(torch.promote_types(w.dtype, torch.float32)), dim=-1).to(x.dtype)  # float32 at least, as fla
         beta = 2 * torch.sigmoid(self.beta[layer](x)).transpose(1, 2)  # [B, H, L]
         return w, beta
+
+    def extra_memory(self, layer: int, shape: LayerShape) -> float:
+        # each block's W W^T, its triangular system and W K^T are [B, H, Lk, Lk] over the block's whole key
+        # prefix (training keeps every block's: sum over blocks of Lk^2), beside [B, H, Lq, Lk] products
+        if not shape.training:
+            return shape.full_bytes(3.25) * shape.keys / shape.tokens
+        block = shape.block or shape.tokens
+        squares = sum(min(shape.keys, start + block + shape.keys - shape.tokens) ** 2
+                      for start in range(0, shape.tokens, block))
+        return 3.75 * FLOAT_BYTES * shape.batch * shape.heads * squares + shape.pair_bytes(2.5)
 
     def logit_transform(self, logits, q, k, call):
         w, beta = self.householder(call.x, call.layer)  # from the first input: [B, H, first_key + Lk, d]

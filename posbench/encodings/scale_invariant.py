@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from posbench.checks import Flag, Real
-from posbench.encodings.base import ModelDims, relative_distance
+from posbench.encodings.base import LayerShape, ModelDims, relative_distance
 from posbench.encodings.rope import RoPE
 
 
@@ -60,6 +60,10 @@ class ScaleInvariant(RoPE):
         return {"tau": self.tau, "rope": self.rope, "base": self.base, "layout": self.layout,
                 "rotary_fraction": self.rotary_fraction, "frequency_fraction": self.frequency_fraction,
                 "frequency_cut": self.frequency_cut}
+
+    def extra_memory(self, layer: int, shape: LayerShape) -> float:
+        # t, a_t and m_t [B', 1, Lq, Lk] in float32: under one [B, H, Lq, Lk] between them
+        return shape.pair_bytes(0.5)
 
     def logit_transform(self, logits, q, k, call):
         compute = torch.promote_types(logits.dtype, torch.float32)

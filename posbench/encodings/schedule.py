@@ -20,7 +20,7 @@ from __future__ import annotations
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
-from posbench.encodings.base import Encoding, ModelDims
+from posbench.encodings.base import Encoding, LayerShape, ModelDims
 from posbench.encodings.composite import agreed_logit_scale, build_part
 from posbench.hooks import HOOKS
 
@@ -77,6 +77,9 @@ class Schedule(Encoding):
     def params(self) -> dict:
         return {"pattern": list(self.pattern), "kinds": self.kinds, "layers": self.layers,
                 **{entry: enc.params() for entry, enc in self.entries.items()}}
+
+    def extra_memory(self, layer: int, shape: LayerShape) -> float:
+        return self.at(layer).extra_memory(layer, shape)
 
     def set_train_step(self, step: int, total: int) -> None:
         for enc in self.entries.values():

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from posbench.checks import Flag, Real
-from posbench.encodings.base import Encoding, ModelDims
+from posbench.encodings.base import Encoding, LayerShape, ModelDims
 from posbench.encodings.rope import rope_inv_freq, rotate
 
 
@@ -110,6 +110,11 @@ class Selective(Encoding):
                 victim = score.argmax(-1)  # the first of the largest: the oldest
                 kept[batch[over], victim[over]] = False
                 evicted_at[batch[over], victim[over]] = i
+
+    def extra_memory(self, layer: int, shape: LayerShape) -> float:
+        # training: each block's selection S and F [B, b, Lk] of head 0 with its offsets and masks, and the
+        # logits less F, kept for the backward; the prefix sums [B, blocks, Lk] are small beside them
+        return shape.pair_bytes(2.0) if shape.training else 0.0
 
     def logit_transform(self, logits, q, k, call):
         state: SelectionState = call.layer_state

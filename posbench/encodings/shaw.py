@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from posbench.checks import Integer
-from posbench.encodings.base import Encoding, ModelDims, relative_distance
+from posbench.encodings.base import Encoding, LayerShape, ModelDims, relative_distance
 
 INIT_STD = 0.02  # the model's own initialisation scale
 
@@ -39,6 +39,10 @@ class Shaw(Encoding):
         """Row of c(j - i) in the tables, c(j - i) + K: [B', Lq, Lk] long."""
         clip = self.max_relative_position
         return (-relative_distance(q_pos, k_pos)).clamp(-clip, clip).long() + clip
+
+    def extra_memory(self, layer: int, shape: LayerShape) -> float:
+        # [B, H, Lq, Lk]: the offset rows expanded (int64) for the gather and the value term's scatter
+        return shape.pair_bytes(1.5 if shape.training else 0.5)
 
     def key_term(self, q, k, q_pos, k_pos, layer):
         b, h, lq, d = q.shape

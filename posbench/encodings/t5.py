@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from posbench.checks import Flag, Integer
-from posbench.encodings.base import Encoding, ModelDims, score_positions
+from posbench.encodings.base import Encoding, LayerShape, ModelDims, score_positions
 
 
 def t5_bucket(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int = 32,
@@ -91,6 +91,12 @@ class T5(Encoding):
         if self.bidirectional:
             return distance.clamp(-self.max_distance, self.max_distance) + self.max_distance
         return distance.clamp(0, self.max_distance)
+
+    def extra_memory(self, layer: int, shape: LayerShape) -> float:
+        # training: the bias's autograd record, the relative offsets and buckets (int64), and its gradient, beside the bias the guard counts
+        if not shape.training or (self.bias_layers_shared and layer):
+            return 0.0
+        return shape.bias_bytes(2.75)
 
     def bias(self, q_pos, k_pos, layer):
         relative = k_pos[:, None, :] - q_pos[:, :, None]  # [B', Lq, Lk]

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from posbench.checks import Real
-from posbench.encodings.base import Encoding, ModelDims
+from posbench.encodings.base import Encoding, LayerShape, ModelDims
 from posbench.encodings.rope import rope_inv_freq
 
 
@@ -52,6 +52,11 @@ class TAPE(Encoding):
 
     def params(self) -> dict:
         return {"base": self.base, "position_size": self.position_size}
+
+    def extra_memory(self, layer: int, shape: LayerShape) -> float:
+        # v widened with the state's columns leaves the fused CPU kernel (one head size): sdpa's math path holds
+        # every query's logits and weights [B, H, Lq, Lk] at once, and training keeps them for the backward
+        return shape.full_bytes(2.0 if shape.training else 2.5)
 
     def state_init(self, pos, x):
         compute = torch.promote_types(x.dtype, torch.float32)

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from posbench.checks import Real
-from posbench.encodings.base import Encoding, ModelDims
+from posbench.encodings.base import Encoding, LayerShape, ModelDims
 
 INIT_STD = 0.02  # the model's own initialisation scale
 
@@ -85,6 +85,10 @@ class TransformerXL(Encoding):
     def params(self) -> dict:
         return {"base": self.base}
 
+    def extra_memory(self, layer: int, shape: LayerShape) -> float:
+        # [B, H, Lq, Lk]: the position term and the content term added to it
+        return shape.pair_bytes(0.75 if shape.training else 0.5)
+
     def key_term(self, q, k, q_pos, k_pos, layer):
         b, h, lq, d = q.shape
         w_r = self.position_proj[layer].weight.view(h, d, self.dims.d_model)  # W_R,h: [H, d, D]
@@ -114,6 +118,10 @@ class TENER(Encoding):
 
     def logit_scale(self, head_dim: int) -> float:
         return 1.0  # TENER leaves the logits unscaled: sharper attention helped NER
+
+    def extra_memory(self, layer: int, shape: LayerShape) -> float:
+        # [B, H, Lq, Lk]: the position term and the content term added to it
+        return shape.pair_bytes(0.5)
 
     def key_term(self, q, k, q_pos, k_pos, layer):
         inv_freq = sinusoid_frequencies(q.shape[-1], self.base, q.device)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from posbench.checks import Flag, Integer
-from posbench.encodings.base import ModelDims, relative_distance
+from posbench.encodings.base import LayerShape, ModelDims, relative_distance
 from posbench.encodings.composite import Composite
 
 NON_BASES = ("composite", "urpe")
@@ -41,6 +41,11 @@ class URPE(Composite):
     def params(self) -> dict:
         return {"base": self.base_name, "max_distance": self.max_distance, "shared_layers": self.shared_layers,
                 self.base_name: self.parts[0].params()}
+
+    def extra_memory(self, layer: int, shape: LayerShape) -> float:
+        # training: the base's, and the modulation c(i - j) [B', H, Lq, Lk] with its offsets (int64) and the
+        # modulated probabilities, kept for the backward
+        return super().extra_memory(layer, shape) + (shape.pair_bytes(3.25) if shape.training else 0.0)
 
     def modulation(self, q_pos: torch.Tensor, k_pos: torch.Tensor, layer: int) -> torch.Tensor:
         """c(i - j) for every query/key pair: [B', H, Lq, Lk]."""
