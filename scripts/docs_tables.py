@@ -420,6 +420,8 @@ def frontier_method(p: dict) -> str:
     """The configs/frontier_method option a run's settings come from."""
     if p["encoding"] == "rope" and p.get("encoding.frequency_fraction", 1.0) != 1.0:
         return "p_rope"
+    if p["encoding"] == "grape":
+        return {"multiplicative": "grape_m", "additive": "grape_a", "path": "grape_ap"}[p["encoding.form"]]
     return {"composite": "ssmax", "schedule": "rnope"}.get(p["encoding"], p["encoding"])
 
 
@@ -504,6 +506,8 @@ def frontier_glance() -> str:
                 text = "not learned"
             else:
                 text = ranged(w, digits, bold=w["mean"] == best)
+                if w["n"] < 3:  # a method whose seeds were cut short
+                    text += f" [{w['n']} seed{'s' if w['n'] > 1 else ''}]"
             cells.setdefault(method, {})[header] = text
     cost = {}
     if FRONTIER_COST.exists():
@@ -611,6 +615,36 @@ def frontier_claims() -> str:
     return table(header, rows, ["---", "---", "---", "---", "---:", "---:", "---"])
 
 
+FRONTIER_2025 = ("grape_m", "grape_a", "grape_ap", "pope", "fope", "scale_invariant", "gated", "selective", "cable",
+                 "drope", "string", "tape")  # issue 38's methods, after the baselines they are read against
+FRONTIER_2025_BASELINES = ("rope", "alibi", "nope", "fox")
+
+
+def frontier_2025(task: str) -> str:
+    """docs/studies.md: the 2025-26 methods on one frontier task beside rope, alibi, nope and fox: the metric at
+    N, 2N and 4N and its mean over (N, 2N], each the mean over seeds with their range."""
+    s = study("frontier")
+    key = frontier_key(task)
+    records = headline_by(s, key)
+    metric = next(iter(records.values()))["metric"]
+    ratios = (1, 2, 4)
+    at = {r: run_window_mean(s, metric, r - 0.01, r, key) for r in ratios}
+    near = run_window_mean(s, metric, 1, 2, key)
+    rows = [[f"`{m}`", str(near[m]["n"]), "not learned" if report.not_learned(records[m]) else "yes",
+             *(ranged(at[r][m], 3) if m in at[r] else "–" for r in ratios), ranged(near[m], 3)]
+            for m in (*FRONTIER_2025_BASELINES, *FRONTIER_2025) if m in near]
+    header = ["method", "seeds", "learned at N", f"{metric} at N", "at 2N", "at 4N", "(N, 2N]"]
+    return table(header, rows, ["---", "---:", "---"] + ["---:"] * 4)
+
+
+def frontier_2025_copy() -> str:
+    return frontier_2025("copy")
+
+
+def frontier_2025_flip_flop_sparse() -> str:
+    return frontier_2025("flip_flop_sparse")
+
+
 def frontier_copy() -> str:
     return frontier("copy")
 
@@ -702,12 +736,35 @@ def gpu_sweep() -> str:
                                         r["runs_per_hour"], r["extrapolated_study_min"], r["note"]])
 
 
+def guard_memory() -> str:
+    """docs/performance.md: the memory guard's estimate against the measured peak, every encoding at 4,095 tokens
+    (results/reference/guard_memory.csv, scripts/memory_guard_check.py)."""
+    with (REFERENCE / "guard_memory.csv").open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    cells = {}
+    for r in rows:
+        cells.setdefault((r["encoding"], r["setting"]), {})[r["mode"]] = r
+    out = []
+    for (encoding, setting), modes in cells.items():
+        row = [f"{encoding} `{setting}`" if setting else encoding]
+        for mode in ("train", "eval"):
+            r = modes.get(mode)
+            tokens = "" if r is None or int(r["tokens"]) == 4095 else f" ({int(r['tokens']):,} tokens)"
+            row += ["–"] * 3 if r is None else [f"{float(r['estimate_mib']):,.0f}", f"{float(r['measured_mib']):,.0f}",
+                                                f"{float(r['ratio']):.2f}{tokens}"]
+        out.append(row)
+    header = ["encoding", "training: estimate MiB", "measured MiB", "ratio", "evaluation: estimate MiB",
+              "measured MiB", "ratio"]
+    return table(header, out)
+
+
 TABLES = {f.__name__.replace("_", "-"): f for f in (
     glance, quickstart, default_job_seeds, core_copy_sort, catalogue_copy, randomized_copy, chomsky_encoder, kazemnejad_causal, addition_20k,
     grid_extrapolation, scale_study, scale_study_eos, scale_study_medium, report_sweep, lm_extrapolation,
     lm_extrapolation_sliding, lm_memory, rope_scaling, rope_finetune, frontier_glance, frontier_claims,
-    frontier_copy, frontier_flip_flop_sparse, frontier_wikitext, frontier_counting, gpu_encodings, gpu_default_job,
-    gpu_sweep)}
+    frontier_copy, frontier_flip_flop_sparse, frontier_wikitext, frontier_counting, frontier_2025_copy,
+    frontier_2025_flip_flop_sparse, gpu_encodings, gpu_default_job,
+    gpu_sweep, guard_memory)}
 
 
 # ---- the inline values -----------------------------------------------------------------------------

@@ -293,8 +293,3 @@ def require_grid(name: str, dims: ModelDims) -> None:
 def grid_offsets(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """(dy, dx) = query - key for every pair: [B', Lq, 2], [B', Lk, 2] -> [B', Lq, Lk, 2]."""
     return q_pos[:, :, None, :] - k_pos[:, None, :, :]
-
-
-def check_choice(owner: str, key: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"{owner}: {key}={value!r} is not valid; choose one of {list(choices)}")

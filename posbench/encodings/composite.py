@@ -52,7 +52,8 @@ import inspect
 
 from torch import nn
 
-from posbench.encodings.base import Encoding, ModelDims, check_choice
+from posbench.checks import Choice
+from posbench.encodings.base import Encoding, LayerShape, ModelDims
 from posbench.hooks import HOOKS
 
 EMBED_RULES = ("error", "sum")
@@ -76,7 +77,7 @@ class Composite(Encoding):
             rules = {name: HOOKS[name].combine for name in uncombined}
             raise TypeError(f"composite: no combination of hook(s) {rules} (combine rules: {list(COMBINE_RULES)}); "
                             "a composite would drop their parts' terms")
-        check_choice("composite", "embed_rule", embed_rule, EMBED_RULES)
+        Choice(EMBED_RULES)("embed_rule", embed_rule, "composite")
         names = parse_parts(parts, REGISTRY)
         params_by_name = parse_part_params(part_params, names)
         self.embed_rule = embed_rule
@@ -168,6 +169,9 @@ class Composite(Encoding):
     def params(self) -> dict:
         return {"parts": [part.name for part in self.parts], "embed_rule": self.embed_rule,
                 **{part.name: part.params() for part in self.parts}}
+
+    def extra_memory(self, layer: int, shape: LayerShape) -> float:
+        return sum(part.extra_memory(layer, shape) for part in self.parts)
 
     def set_train_step(self, step: int, total: int) -> None:
         for part in self.parts:

@@ -39,9 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from posbench.checks import Integer
+from posbench.checks import Choice, Integer
 from posbench.encodings.alibi import ALiBi
-from posbench.encodings.base import Encoding, ModelDims, check_choice
+from posbench.encodings.base import Encoding, LayerShape, ModelDims
 from posbench.encodings.fire import FIRE
 from posbench.encodings.kerple import Kerple
 from posbench.encodings.rope import RoPE
@@ -60,7 +60,7 @@ class DAPE(Encoding):
                  kernel: int = 3, base_params: dict | None = None):
         super().__init__(dims)
         self.version = Integer(1, 2)("encoding.version", version, self.name)
-        check_choice(self.name, "encoding.base", base, BASES)
+        Choice(BASES)("encoding.base", base, self.name)
         self.mlp_width = Integer(1)("encoding.mlp_width", mlp_width, self.name)
         self.kernel = Integer(1)("encoding.kernel", kernel, self.name)
         if self.kernel % 2 == 0:
@@ -98,6 +98,11 @@ class DAPE(Encoding):
         if self.base is None:
             return q, k
         return self.base.qk(q, k, q_pos, k_pos, layer)  # declared with base rope (the others leave q, k)
+
+    def extra_memory(self, layer: int, shape: LayerShape) -> float:
+        # training: the base bias and the MLP's input and output over every pair, kept for the backward; in
+        # evaluation they go tile by tile
+        return shape.pair_bytes(4.5) if shape.training else 0.0
 
     def logit_transform(self, logits, q, k, call):
         bias = self.base_bias(call).to(logits.dtype) if self.base_name in BIASED else None  # [B', H, Lq, Lk]

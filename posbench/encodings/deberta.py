@@ -24,8 +24,8 @@ import math
 import torch
 from torch import nn
 
-from posbench.checks import Integer
-from posbench.encodings.base import Encoding, ModelDims, check_choice, position_range, relative_distance
+from posbench.checks import Choice, Integer
+from posbench.encodings.base import Encoding, LayerShape, ModelDims, position_range, relative_distance
 
 INIT_STD = 0.02  # the model's own initialisation scale
 # which row of Qr the position-to-content term of (i, j) reads: the paper's delta(j, i), or
@@ -41,7 +41,7 @@ class DeBERTa(Encoding):
 
     def __init__(self, dims: ModelDims, max_relative_positions: int | None = None, p2c_delta: str = "paper"):
         super().__init__(dims)
-        check_choice("deberta", "encoding.p2c_delta", p2c_delta, P2C_DELTAS)
+        Choice(P2C_DELTAS)("encoding.p2c_delta", p2c_delta, "deberta")
         self.p2c_delta = p2c_delta
         # default k: the largest distance seen in training, so every trained distance has its own
         # row and longer ones share the trained edge row (DeBERTa v1: k = its 512-token context)
@@ -71,6 +71,11 @@ class DeBERTa(Encoding):
         first, last = span if span is not None else (0, self.rel_table.shape[0] - 1)
         projected = proj(self.rel_table[first:last + 1]).view(-1, h, d).transpose(0, 1)  # [H, window, d]
         return projected, rows - first
+
+    def extra_memory(self, layer: int, shape: LayerShape) -> float:
+        # [B, H, Lq, Lk]: two gathers (c2p, p2c) with their expanded int64 rows, p2c's transpose, the sum; the
+        # backward of each gather scatters into [B, H, Lq, window] and keeps its rows
+        return shape.pair_bytes(27.0 if shape.training else 6.0)
 
     def key_term(self, q, k, q_pos, k_pos, layer):
         b, h, lq, d = q.shape

@@ -29,8 +29,9 @@ from posbench.encodings.rope import rope_inv_freq
 
 def kept_frequencies(head_dim: int, base: float, train_positions: int, floor_ratio: float) -> torch.Tensor:
     """The w_k = base^(-2k/d) at or above floor_ratio · 2 pi / N, highest first: [D'] float64."""
-    inv_freq = rope_inv_freq(head_dim, base)  # [d/2]
-    return inv_freq[inv_freq >= floor_ratio * 2 * math.pi / train_positions]
+    with torch.device("cpu"):  # the count is read on the host: the encoding may be built on the meta device
+        kept = int((rope_inv_freq(head_dim, base) >= floor_ratio * 2 * math.pi / train_positions).sum())
+    return rope_inv_freq(head_dim, base)[:kept]  # decreasing: the kept ones lead
 
 
 def step_eye(n_in: int, n_out: int) -> torch.Tensor:

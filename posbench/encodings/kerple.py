@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posbench.encodings.base import Encoding, ModelDims, check_choice, relative_distance, score_positions
+from posbench.checks import Choice
+from posbench.encodings.base import Encoding, LayerShape, ModelDims, relative_distance, score_positions
 
 VARIANTS = ("log", "power")
 # initial (r1, r2) ranges: the authors' U(0, 2) / U(0, 1) draws, kept 0.01 (their clamp floor) inside
@@ -42,7 +43,7 @@ class Kerple(Encoding):
 
     def __init__(self, dims: ModelDims, variant: str = "log"):
         super().__init__(dims)
-        check_choice("kerple", "encoding.variant", variant, VARIANTS)
+        Choice(VARIANTS)("encoding.variant", variant, "kerple")
         self.variant = variant
         range1, range2 = INIT_RANGES[variant]
         r1, r2 = torch.empty(dims.n_heads).uniform_(*range1), torch.empty(dims.n_heads).uniform_(*range2)  # [H]
@@ -56,6 +57,12 @@ class Kerple(Encoding):
         """(r1, r2) per head, inside their ranges: [H], [H]."""
         r2 = F.softplus(self.raw_r2) if self.variant == "log" else 2 * torch.sigmoid(self.raw_r2)
         return F.softplus(self.raw_r1), r2
+
+    def extra_memory(self, layer: int, shape: LayerShape) -> float:
+        # training: the bias's autograd record, the distances and their powers or logarithms, and its gradient, beside the bias the guard counts
+        if not shape.training or (self.bias_layers_shared and layer):
+            return 0.0
+        return shape.bias_bytes(4.5)
 
     def bias(self, q_pos, k_pos, layer):
         r1, r2 = (r[:, None, None] for r in self.kernel_params())  # [H, 1, 1] each

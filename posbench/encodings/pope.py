@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posbench.checks import Real
-from posbench.encodings.base import Encoding, ModelDims, check_choice
+from posbench.checks import Choice, Real
+from posbench.encodings.base import Encoding, LayerShape, ModelDims
 
 DELTA_INITS = ("zero", "uniform")
 
@@ -49,7 +49,7 @@ class PoPE(Encoding):
     def __init__(self, dims: ModelDims, base: float = 10000.0, delta_init: str = "zero"):
         super().__init__(dims)
         self.base = Real(above=1)("encoding.base", base, self.name)  # theta_c must fall with c
-        check_choice(self.name, "encoding.delta_init", delta_init, DELTA_INITS)
+        Choice(DELTA_INITS)("encoding.delta_init", delta_init, self.name)
         self.delta_init = delta_init
         self.register_buffer("inv_freq", pope_inv_freq(dims.head_dim, self.base), persistent=False)
         self.delta = nn.Parameter(torch.zeros(dims.n_layers, dims.n_heads, dims.head_dim))  # [layers, H, d]
@@ -70,6 +70,11 @@ class PoPE(Encoding):
         """t theta_c modulo 2 pi, computed in float64 so that large positions keep their phase: [B', L] -> [B', 1, L, d]."""
         angles = pos.to(torch.float64)[:, None, :, None] * self.inv_freq  # [B', 1, L, d]
         return torch.remainder(angles, 2 * math.pi).to(dtype)
+
+    def extra_memory(self, layer: int, shape: LayerShape) -> float:
+        # q and k twice as wide leave the fused CPU kernel (one head size): sdpa's math path holds every query's
+        # logits and weights [B, H, Lq, Lk] at once, and training keeps them for the backward
+        return shape.full_bytes(2.0 if shape.training else 2.5)
 
     def qk(self, q, k, q_pos, k_pos, layer):
         compute = torch.promote_types(q.dtype, torch.float32)

@@ -34,8 +34,8 @@ import math
 import torch
 from torch import nn
 
-from posbench.checks import Flag
-from posbench.encodings.base import Encoding, ModelDims, check_choice
+from posbench.checks import Choice, Flag
+from posbench.encodings.base import Encoding, LayerShape, ModelDims
 
 REMAINDERS = ("value", "learned", "none")
 LOG2_E = 1 / math.log(2)
@@ -48,7 +48,7 @@ class StickBreaking(Encoding):
 
     def __init__(self, dims: ModelDims, remainder: str = "value", attend_current: bool = False):
         super().__init__(dims)
-        check_choice(self.name, "encoding.remainder", remainder, REMAINDERS)
+        Choice(REMAINDERS)("encoding.remainder", remainder, self.name)
         self.remainder = remainder
         self.attend_current = Flag()("encoding.attend_current", attend_current, self.name)
         if remainder == "learned":
@@ -56,6 +56,10 @@ class StickBreaking(Encoding):
 
     def params(self) -> dict:
         return {"remainder": self.remainder, "attend_current": self.attend_current}
+
+    def extra_memory(self, layer: int, shape: LayerShape) -> float:
+        # [B, H, Lq, Lk]: the scores in float32, log(1 - beta) and its reversed cumulative sum, the weights
+        return shape.pair_bytes(1.25 if shape.training else 1.75)
 
     def normalize(self, logits, v, call):
         lq, lk = logits.shape[-2:]
