@@ -2,13 +2,13 @@
 with the backends that run it and how a composite combines its parts' hooks. Backends,
 validation, composites and the layer read this table; nothing else names the order.
 
-    embed, state_init (model input) -> kv -> state_qkv -> qk -> query_scale -> layer_pass (once, every query)
+    embed, state_init (model input) -> kv -> qkv -> qk -> query_scale -> layer_pass (once, every query)
     -> [per block of queries:] logits = q.k^T * scale + decay + bias + key_term -> logit_transform -> mask
     -> normalize (softmax by default) -> prob -> p.V + value_term -> state_update -> output -> [the block's
     feed-forward] -> state_mlp
 
 A position state (state_init) is built once per forward from the positions and handed from layer to layer:
-each layer reads it (state_qkv, which may widen v with state columns attended by the same weights),
+each layer reads it (qkv, which may widen v with state columns attended by the same weights),
 updates it from what attention returned (state_update) and after its feed-forward (state_mlp).
 
 Hooks that see content receive the call (`posbench.attention.context.AttentionCall`): the
@@ -41,8 +41,8 @@ HOOKS: dict[str, Hook] = {hook.name: hook for hook in (
          ALL_BACKENDS, False, "one", True),
     Hook("kv", "keys and values mixed along time from the layer's input, before qk (FoX Pro's token shifts)",
          ALL_BACKENDS, False, "sequence"),
-    Hook("state_qkv", "q and k transformed by the layer's position state, v widened with state columns that "
-         "attention averages with the same weights (TAPE)", ALL_BACKENDS, False, "one"),
+    Hook("qkv", "q and k transformed by a state of the layer's tokens (its input: GRAPE-M-ctx's phases; the position "
+         "state: TAPE), v possibly widened with state columns attention averages", ALL_BACKENDS, False, "one"),
     Hook("qk", "a position-dependent transform of q and k (rotations)", ALL_BACKENDS, False, "one"),
     Hook("query_scale", "q times a factor per query and head (keys seen: SSMax, temperature)",
          ALL_BACKENDS, False, "product"),

@@ -214,7 +214,7 @@ def test_undeclared_hooks_change_nothing(case):
                  "query_scale": lambda: enc.query_scale(call) is None,
                  "layer_pass": lambda: enc.layer_pass(q, k, call) is None,
                  "state_init": lambda: enc.state_init(pos, x) is None,
-                 "state_qkv": lambda: all(map(torch.equal, enc.state_qkv(q, k, v, call), (q, k, v))),
+                 "qkv": lambda: all(map(torch.equal, enc.qkv(q, k, v, call), (q, k, v))),
                  "state_update": lambda: torch.equal(enc.state_update(v, call)[0], v)
                  and enc.state_update(v, call)[1] is call.state,
                  "state_mlp": lambda: enc.state_mlp(x, x, 0) is x,

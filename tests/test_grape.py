@@ -132,6 +132,46 @@ def test_multiplicative_rotation_matches_the_formula(qk_norm):
         assert_close_scaled(got_k, expected_k.detach(), rtol=1e-12, name=f"k, layer {layer}")
 
 
+# --- multiplicative_ctx (GRAPE-M-ctx) -------------------------------------------------------------------
+
+def test_contextual_form_starts_as_the_official_code():
+    enc = make_encoding("grape", d_model=D_MODEL, n_heads=HEADS, form="multiplicative_ctx")
+    gate = torch.sigmoid(enc.ctx_b.detach() / 16)  # u = 0: every token's w
+    assert_close_scaled(gate, torch.full((2,), 0.394), rtol=2e-3, name="w at start")
+    assert torch.all(enc.ctx_u == 0) and not enc.qk_norm
+    expected = torch.tensor([10000.0 ** (-2 * m / HEAD) for m in range(HEAD // 2)])
+    assert_close_scaled(enc.ctx_theta[1].detach(), expected, rtol=1e-6, name="theta at start")
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_contextual_phases_match_the_formula(qk_norm):
+    """Plane m of token t turns by Phi_t theta_m, Phi_t = sum_{tau < t} sigmoid((u.x_tau + b) / 16), then the norm."""
+    enc = drawn_grape(form="multiplicative_ctx", qk_norm=qk_norm)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 6, D_MODEL, generator=gen, dtype=torch.float64)
+    q, k, v = torch.randn(3, 2, HEADS, 6, HEAD, generator=gen, dtype=torch.float64)
+    pos = torch.arange(6)[None]
+    layer = 1
+    call = AttentionCall(enc, pos, pos, layer, True, x=x)
+    got_q, got_k, got_v = enc.qkv(q, k, v, call)
+    got_q, got_k = enc.qk(got_q, got_k, pos, pos, layer) if qk_norm else (got_q, got_k)
+    u, b = enc.ctx_u[layer].detach(), float(enc.ctx_b[layer])
+    theta = enc.ctx_theta[layer].detach()
+    for s in range(2):
+        phases = []
+        for t in range(6):
+            phases.append(sum(1 / (1 + math.exp(-(float(u @ x[s, tau]) + b) / 16)) for tau in range(t)))
+        phase_pos = torch.tensor([phases], dtype=torch.float64)  # Phi as a position: [1, L]
+        expected_q = turned_by_hand(q[s:s + 1], phase_pos, theta)
+        expected_k = turned_by_hand(k[s:s + 1], phase_pos, theta)
+        if qk_norm:
+            expected_q = rms_by_hand(expected_q, enc.norm_weight[layer, 0]).detach()
+            expected_k = rms_by_hand(expected_k, enc.norm_weight[layer, 1]).detach()
+        assert_close_scaled(got_q[s:s + 1].detach(), expected_q, rtol=1e-12, name=f"q, sequence {s}")
+        assert_close_scaled(got_k[s:s + 1].detach(), expected_k, rtol=1e-12, name=f"k, sequence {s}")
+    assert got_v is v
+
+
 def shift_change(enc) -> float:
     model = model_of(enc)
     ids = torch.randint(0, 11, (2, 12), generator=torch.Generator().manual_seed(4))
@@ -140,6 +180,8 @@ def shift_change(enc) -> float:
 
 
 @pytest.mark.parametrize("params,relative", [({}, True), ({"qk_norm": True}, False), ({"form": "additive"}, True),
+                                             ({"form": "multiplicative_ctx"}, True),
+                                             ({"form": "multiplicative_ctx", "qk_norm": True}, True),
                                              ({"form": "additive", "qk_norm": False}, True),
                                              ({"form": "path"}, False)])
 def test_the_relative_trait_matches_a_shift_of_every_position(params, relative):
@@ -229,7 +271,7 @@ def test_path_attention_is_the_formula():
 
 # --- every form ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("form", ["multiplicative", "additive", "path"])
+@pytest.mark.parametrize("form", ["multiplicative", "multiplicative_ctx", "additive", "path"])
 def test_chunked_evaluation_and_causality(form):
     model = model_of(drawn_grape(form=form))
     ids = torch.randint(0, 11, (2, 20), generator=torch.Generator().manual_seed(10))
@@ -255,7 +297,8 @@ def test_training_in_query_blocks_gives_the_one_pass_gradients(form, monkeypatch
     assert_query_blocks_give_one_pass_gradients(make_net, tokens, monkeypatch)
 
 
-@pytest.mark.parametrize("params", [{}, {"qk_norm": True}, {"form": "additive"}, {"form": "path"}])
+@pytest.mark.parametrize("params", [{}, {"qk_norm": True}, {"form": "additive"}, {"form": "path"},
+                                    {"form": "multiplicative_ctx"}])
 def test_gradients_reach_every_parameter(params):
     enc = drawn_grape(**params)
     model = model_of(enc).train()
@@ -269,11 +312,14 @@ def test_the_hooks_follow_the_form():
     assert make_encoding("grape", form="path").hooks == {"qk", "logit_transform"}
     assert make_encoding("grape", form="path", qk_norm=False).hooks == {"logit_transform"}
     assert make_encoding("grape", causal=False).hooks == {"qk"}  # multiplicative runs bidirectional
+    assert make_encoding("grape", form="multiplicative_ctx").hooks == {"qkv"}
+    assert make_encoding("grape", form="multiplicative_ctx", qk_norm=True).hooks == {"qkv", "qk"}
 
 
 @pytest.mark.parametrize("params,message", [
     ({"form": "ctx"},
-     r"grape: encoding.form='ctx' is not valid; choose one of \['multiplicative', 'additive', 'path'\]"),
+     r"grape: encoding.form='ctx' is not valid; choose one of \['multiplicative', 'multiplicative_ctx', 'additive', "
+     r"'path'\]"),
     ({"qk_norm": "yes"}, r"grape: encoding.qk_norm='yes': must be true or false, or null"),
     ({"base": 0.5}, r"grape: encoding.base=0.5: must be > 1"),
     ({"form": "path", "p_dim": 7}, r"grape: encoding.p_dim=7: must be even"),

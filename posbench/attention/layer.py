@@ -78,12 +78,12 @@ class Attention(nn.Module):
                              x=x if memory is None else memory)
         if "kv" in encoding.hooks:
             k, v = encoding.kv(k, v, call)  # [B, H, Lk, d] each
-        if "state_qkv" in encoding.hooks:
+        if "qkv" in encoding.hooks:
             if memory is not None:
-                raise ValueError(f"encoding {encoding.name} carries a position state from layer to layer over the "
-                                 "tokens of one forward; keys from a memory (segment recurrence) have none")
+                raise ValueError(f"encoding {encoding.name} turns q and k by a state of the layer's own tokens (qkv "
+                                 "hook); keys from a memory (segment recurrence) have none")
             call.state = positions.state
-            q, k, v = encoding.state_qkv(q, k, v, call)  # v: [B, H, L, d + state columns]
+            q, k, v = encoding.qkv(q, k, v, call)  # v: [B, H, L, d + state columns]
         block = self.query_block(encoding, b, length, k.shape[-2])
         if block is not None:
             call.block_starts = tuple(range(0, length, block))

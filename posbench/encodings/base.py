@@ -2,7 +2,7 @@
 
 Order inside one attention layer (declared in `posbench.hooks`, applied by `posbench.attention`):
 
-    embed, state_init (model input) -> kv -> state_qkv -> qk -> query_scale -> layer_pass (once, every query)
+    embed, state_init (model input) -> kv -> qkv -> qk -> query_scale -> layer_pass (once, every query)
     -> [per block of queries:] logits = q.k^T * scale + decay + bias + key_term -> logit_transform -> mask
     -> normalize (softmax by default) -> prob -> p.V + value_term -> state_update -> output -> [the block's
     feed-forward] -> state_mlp
@@ -162,14 +162,15 @@ class Encoding(nn.Module):
         any state, read by the first layer as call.state."""
         return None
 
-    def state_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call):
-        """After kv, before qk, every query at once: q, k, v [B, H, L, d] and call.state, the state the layer
-        receives -> q, k transformed by it and v, possibly widened with state columns that attention averages
-        with the same weights as v (the layer hands the wide output to state_update)."""
+    def qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call):
+        """After kv, before qk, every query at once: q, k, v [B, H, L, d], the call (its x, the layer's input, and
+        call.state, the position state the layer receives) -> q and k transformed, and v, possibly widened with
+        state columns that attention averages with the same weights as v (the layer hands the wide output to
+        state_update)."""
         return q, k, v
 
     def state_update(self, y: torch.Tensor, call):
-        """y [B, H, L, width of state_qkv's v], attention's output -> (y back to d columns, the state the rest of
+        """y [B, H, L, width of qkv's v], attention's output -> (y back to d columns, the state the rest of
         the layer and the next one receive)."""
         return y, call.state
 

@@ -4,6 +4,12 @@ official model-architectures/GRAPE `model/llama-mha-grape-*.py`), in three forms
 multiplicative  GRAPE-M-nonctx: RoPE (half layout, `base`) whose per-plane frequencies w are learned, one
                 spectrum per layer shared by the heads, stored in float32 as log_freq = 16 log w (the
                 official learning-rate damper), init w_m = base^(-2m/d). Relative.
+multiplicative_ctx  GRAPE-M-ctx: the same rotation at a contextual phase, plane m of token t turned by
+                Phi_t theta_m, Phi_t = sum_{tau < t} w_tau, w_tau = sigmoid((u.x_tau + b) / 16) from the layer's
+                input x, one scalar per token shared by the heads; u, b and theta per layer, u = 0,
+                b = softplus^-1(1e-3) (w = 0.394 at start: the official code's sigmoid, not its comments'
+                softplus), theta_m = base^(-2m/d) learned without the damper. The qkv hook (it reads x).
+                Relative: it reads no position id.
 additive        GRAPE-A, query- and key-gated: b_h(i, j) = -(i - j) softplus(o_h) m_h [softplus(v_h.q_i / sqrt d)
                 + softplus(u_h.k_j / sqrt d)] on the scaled logits, m_h ALiBi's slopes, u_h and v_h
                 L2-normalised at every forward (init N(0, 1/d)), o_h init softplus^-1(1), all per layer.
@@ -18,12 +24,10 @@ qk_norm: the paper's QK-RMSNorm, a learned weight per layer, q or k and feature 
 the official RMSNorm(head_dim)), eps 1e-5. null takes the form's setting: on for additive and path, as in
 every run of the paper (their gates read q and k, whose scale it bounds); off for multiplicative, which
 then keeps RoPE's exact relative law, as posbench's rope. On there, it follows the rotation (the paper's
-order) and the form is no longer relative: the weights differ within a rotation pair.
+order; for multiplicative_ctx too) and multiplicative is no longer relative: the weights differ within a
+rotation pair (multiplicative_ctx stays relative: it reads no position id).
 The rotations turn the other way from the official code's (x_1 cos + x_2 sin): the same models up to
 negating the second half of each head's q, k (or p) features, a symmetric change of the initial draw.
-
-Not here: GRAPE-M-ctx, whose angles come from a cumulative sum of gates on the layer's input, which
-the qk hook does not see.
 """
 from __future__ import annotations
 
@@ -36,9 +40,12 @@ from torch import nn
 from posbench.checks import Choice, Flag, Integer, Real
 from posbench.encodings.alibi import alibi_slopes
 from posbench.encodings.base import Encoding, LayerShape, ModelDims, relative_distance
-from posbench.encodings.rope import rope_inv_freq, rotate
+from posbench.encodings.rope import rope_inv_freq, rotate, rotate_by_angles
 
-FORMS = ("multiplicative", "additive", "path")
+FORMS = ("multiplicative", "multiplicative_ctx", "additive", "path")
+ROTATING = ("multiplicative", "multiplicative_ctx")
+CTX_GATE_SCALE = 16.0  # w = sigmoid((u.x + b) / 16)
+CTX_GATE_BIAS = math.log(math.expm1(1e-3))  # b = softplus^-1(1e-3)
 LOG_FREQ_SCALE = 16.0  # log_freq = 16 log w
 NORM_EPS = 1e-5  # the official QK-RMSNorm's
 GATE_EPS = 1e-6  # the official L2 normalisation of u and v
@@ -56,20 +63,22 @@ class GRAPE(Encoding):
         self.base = Real(above=1)("encoding.base", base, self.name)
         qk_norm = Flag(null="the form's: true for additive and path, false for multiplicative")(
             "encoding.qk_norm", qk_norm, self.name)
-        self.qk_norm = self.form != "multiplicative" if qk_norm is None else qk_norm
+        self.qk_norm = self.form not in ROTATING if qk_norm is None else qk_norm
         self.p_dim = Integer(2)("encoding.p_dim", p_dim, self.name)
         d, heads = dims.head_dim, dims.n_heads
-        if self.form == "multiplicative" and d % 2:
-            raise ValueError(f"grape: encoding.form=multiplicative rotates feature pairs and needs an even head size, "
+        if self.form in ROTATING and d % 2:
+            raise ValueError(f"grape: encoding.form={self.form} rotates feature pairs and needs an even head size, "
                              f"got model.d_model / model.n_heads = {dims.d_model}/{heads} = {d}")
         if self.form == "path" and self.p_dim % 2:
             raise ValueError(f"grape: encoding.p_dim={self.p_dim}: must be even (p turns in planes)")
-        if self.form != "multiplicative" and not dims.causal:
+        if self.form not in ROTATING and not dims.causal:
             raise ValueError(f"grape: encoding.form={self.form} penalises -(i - j), a causal bias (the paper's code is "
                              "causal only); set model.causal=true or use form=multiplicative")
-        self.causal_only = self.form != "multiplicative"
-        self.relative = self.form == "additive" or (self.form == "multiplicative" and not self.qk_norm)
-        main = {"multiplicative": "qk", "additive": "key_term", "path": "logit_transform"}[self.form]
+        self.causal_only = self.form not in ROTATING
+        # a shift of every position: the contextual phases read none; a norm inside a rotation pair breaks rope's law
+        self.relative = self.form in ("additive", "multiplicative_ctx") or not self.qk_norm and self.form != "path"
+        main = {"multiplicative": "qk", "multiplicative_ctx": "qkv", "additive": "key_term",
+                "path": "logit_transform"}[self.form]
         self.hooks = frozenset({main} | ({"qk"} if self.qk_norm else set()))
         layers = dims.n_layers
         if self.qk_norm:  # [layers, 2 (q, k), d]
@@ -77,6 +86,10 @@ class GRAPE(Encoding):
         self.register_buffer("slopes", alibi_slopes(heads), persistent=False)  # [H] float64
         if self.form == "multiplicative":  # [layers, d/2]
             self.log_freq = nn.Parameter((LOG_FREQ_SCALE * rope_inv_freq(d, self.base).log()).float().repeat(layers, 1))
+        elif self.form == "multiplicative_ctx":
+            self.ctx_u = nn.Parameter(torch.zeros(layers, dims.d_model))  # [layers, D]
+            self.ctx_b = nn.Parameter(torch.full((layers,), CTX_GATE_BIAS))  # [layers]
+            self.ctx_theta = nn.Parameter(rope_inv_freq(d, self.base).float().repeat(layers, 1))  # [layers, d/2]
         elif self.form == "additive":
             self.rate_logit = nn.Parameter(torch.full((layers, heads), math.log(math.expm1(1.0))))  # o: softplus(o) = 1
             self.u = nn.Parameter(torch.randn(layers, heads, d) / math.sqrt(d))  # key gate directions
@@ -88,7 +101,8 @@ class GRAPE(Encoding):
             self.register_buffer("plane_freq", rope_inv_freq(self.p_dim, 1.0), persistent=False)  # ones: [d_p/2]
 
     def params(self) -> dict:
-        extra = {"multiplicative": {"base": self.base}, "additive": {}, "path": {"p_dim": self.p_dim}}[self.form]
+        extra = {"multiplicative": {"base": self.base}, "multiplicative_ctx": {"base": self.base}, "additive": {},
+                 "path": {"p_dim": self.p_dim}}[self.form]
         return {"form": self.form, "qk_norm": self.qk_norm, **extra}
 
     def norm(self, x: torch.Tensor, layer: int, which: int) -> torch.Tensor:
@@ -106,10 +120,22 @@ class GRAPE(Encoding):
             q, k = self.norm(q, layer, 0), self.norm(k, layer, 1)
         return q, k
 
+    def qkv(self, q, k, v, call):
+        if self.form != "multiplicative_ctx":
+            return q, k, v
+        layer = call.layer
+        compute = torch.promote_types(q.dtype, torch.float32)
+        x = call.x.to(compute)  # the layer's input at its tokens: [B, L, D]
+        w = torch.sigmoid((x @ self.ctx_u[layer].to(compute) + self.ctx_b[layer].to(compute)) / CTX_GATE_SCALE)  # [B, L]
+        phase = w.cumsum(-1) - w  # Phi_t = sum over tau < t: [B, L]
+        angles = phase[:, None, :, None] * self.ctx_theta[layer].to(compute)  # [B, 1, L, d/2]
+        return rotate_by_angles(q, angles, "half"), rotate_by_angles(k, angles, "half"), v
+
     def extra_memory(self, layer: int, shape: LayerShape) -> float:
         # additive: the distances and the gate sum [B, H, Lq, Lk] and the term; path: psi, its shift and the
         # reversed cumulative sum [B, H, Lq, Lk]; training keeps them for the backward
-        copies = {"multiplicative": (0.0, 0.0), "additive": (3.0, 1.0), "path": (3.75, 1.5)}[self.form]
+        copies = {"multiplicative": (0.0, 0.0), "multiplicative_ctx": (0.0, 0.0), "additive": (3.0, 1.0),
+                  "path": (3.75, 1.5)}[self.form]
         return shape.pair_bytes(copies[0] if shape.training else copies[1])
 
     def key_term(self, q, k, q_pos, k_pos, layer):

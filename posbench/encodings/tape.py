@@ -28,7 +28,7 @@ from posbench.encodings.rope import rope_inv_freq
 
 class TAPE(Encoding):
     name = "tape"
-    hooks = frozenset({"state_init", "state_qkv", "state_update", "state_mlp"})
+    hooks = frozenset({"state_init", "qkv", "state_update", "state_mlp"})
     relative = True  # the updates are real-linear in z: a shift of every position is a common phase
 
     def __init__(self, dims: ModelDims, base: float = 10000.0, position_size: int = 48):
@@ -63,7 +63,7 @@ class TAPE(Encoding):
         angles = pos.to(compute)[:, None, :, None] * self.inv_freq.to(compute)  # [B', 1, L, d/2]
         return torch.cat([angles.cos(), angles.sin()], dim=-1)  # z = (real | imaginary): [B', 1, L, d]
 
-    def state_qkv(self, q, k, v, call):
+    def qkv(self, q, k, v, call):
         z = call.state  # [B'|B, 1|H, L, d]
         state = z.to(v.dtype).expand(v.shape[0], v.shape[1], -1, -1)  # [B, H, L, d]
         return turn(q, z), turn(k, z), torch.cat([v, state], dim=-1)  # v: [B, H, L, 2d]
