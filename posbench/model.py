@@ -57,6 +57,21 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.d_model, bias=cfg.bias)
 
 
+STATE_OF_EVERY_TOKEN = ("state_init", "qkv", "layer_pass")  # hooks that read every token of the layer's forward
+
+
+def recurrence_refusal(encoding: Encoding) -> str | None:
+    """Why Transformer-XL segment recurrence cannot run `encoding`, or None."""
+    if "embed" in encoding.hooks or not encoding.relative:
+        return (f"segment recurrence needs a relative encoding without an embed hook (positions restart every "
+                f"segment); encoding {encoding.name!r} is not one")
+    held = [hook for hook in STATE_OF_EVERY_TOKEN if hook in encoding.hooks]
+    if held:
+        return (f"segment recurrence keeps earlier keys without their queries or position state; encoding "
+                f"{encoding.name!r} reads every token of the layer's forward (hooks {held})")
+    return None
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, encoding: Encoding, backend: Backend):
         super().__init__()
@@ -142,13 +157,9 @@ class Transformer(nn.Module):
             block.attn.eval_chunk = queries
 
     def check_recurrent(self) -> None:
-        # the built instance's traits: e.g. a composite of rope and tener is not relative
-        if "embed" in self.encoding.hooks or not self.encoding.relative:
-            raise ValueError(f"segment recurrence needs a relative encoding without an embed hook (positions "
-                             f"restart every segment); encoding {self.encoding.name!r} is not one")
-        if "state_init" in self.encoding.hooks:
-            raise ValueError(f"segment recurrence keeps keys without their position state; encoding "
-                             f"{self.encoding.name!r} carries one from layer to layer")
+        refusal = recurrence_refusal(self.encoding)  # the built instance's traits: rope + tener is not relative
+        if refusal:
+            raise ValueError(refusal)
         if not self.cfg.causal:
             raise ValueError("segment recurrence needs a causal model (model.causal=true)")
 

@@ -17,6 +17,12 @@ METHODS = {  # option: (encoding target, the encoding settings the option sets)
     "ssmax": ("composite.Composite", {"parts": ["rope", "ssmax"]}), "path": ("path.PaTH", {}),
     "p_rope": ("rope.RoPE", {"frequency_fraction": 0.75}),
     "rnope": ("schedule.Schedule", {"pattern": ["rope", "rope", "nope"]}),
+    # the 2025-26 methods (issue 38)
+    "grape_m": ("grape.GRAPE", {"form": "multiplicative"}), "grape_a": ("grape.GRAPE", {"form": "additive"}),
+    "grape_ap": ("grape.GRAPE", {"form": "path"}), "pope": ("pope.PoPE", {}), "fope": ("fope.FoPE", {}),
+    "scale_invariant": ("scale_invariant.ScaleInvariant", {}), "gated": ("gated.Gated", {"rope": True}),
+    "selective": ("selective.Selective", {}), "cable": ("cable.CABLE", {}), "drope": ("drope.DroPE", {}),
+    "string": ("string_rope.STRING", {}), "tape": ("tape.TAPE", {}),
 }
 TASKS = {  # option: (task target, N, task settings, the longest evaluated length)
     "copy": ("copy.Copy", 16, {"variant": "cmc", "eos": True}, 64),

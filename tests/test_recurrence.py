@@ -3,11 +3,11 @@ the logits of the two segments read as one sequence (every relative encoding, bo
 import pytest
 import torch
 
-from posbench.model import Transformer
+from posbench.model import Transformer, recurrence_refusal
 from tests.helpers import ENCODING_CASES, make_case, trained_looking_model
 
 RECURRENT = [case for case in ENCODING_CASES  # built instances; 1-D: segments of a stream, grids have none
-             if (enc := make_case(case)).relative and "embed" not in enc.hooks and enc.position_dims == 1]
+             if recurrence_refusal(enc := make_case(case)) is None and enc.position_dims == 1]
 
 
 def model_for(case: str, backend: str = "eager", causal: bool = True) -> Transformer:

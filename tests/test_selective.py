@@ -167,3 +167,9 @@ def test_a_memory_of_keys_is_refused():
     key_pos = torch.arange(8)[None]
     with pytest.raises(ValueError, match="8 keys for 5 queries"):
         attn(x, PositionContext(enc, key_pos[:, 3:], key_pos), memory)
+
+
+def test_segment_recurrence_is_refused_before_running():
+    model = model_of(make_encoding("selective", d_model=D_MODEL, n_heads=HEADS).double())
+    with pytest.raises(ValueError, match=r"'selective' reads every token of the layer's forward \(hooks \['layer_pass'\]\)"):
+        model.forward_recurrent(torch.zeros(1, 4, dtype=torch.long), None, 4)

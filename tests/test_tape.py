@@ -145,5 +145,5 @@ def test_refusals():
     with pytest.raises(ValueError, match="act on the model input"):
         make_encoding("schedule", pattern=["tape", "nope"])
     model = drawn_tape()
-    with pytest.raises(ValueError, match="segment recurrence keeps keys without their position state"):
+    with pytest.raises(ValueError, match=r"segment recurrence keeps earlier keys .* 'tape' reads every token"):
         model.forward_recurrent(torch.zeros(1, 4, dtype=torch.long), None, 4)
