@@ -502,6 +502,8 @@ def frontier_glance() -> str:
         best = (min if lower else max)(w["mean"] for w in learned.values()) if learned else None
         columns.append(header)
         for method, w in near.items():
+            if method in FRONTIER_2025:  # copy only: their own line (frontier_2025_scores) keeps the README short
+                continue
             if report.not_learned(records[method]):
                 text = "not learned"
             else:
@@ -635,6 +637,19 @@ def frontier_2025(task: str) -> str:
             for m in (*FRONTIER_2025_BASELINES, *FRONTIER_2025) if m in near]
     header = ["method", "seeds", "learned at N", f"{metric} at N", "at 2N", "at 4N", "(N, 2N]"]
     return table(header, rows, ["---", "---:", "---"] + ["---:"] * 4)
+
+
+def frontier_2025_scores(task: str) -> str:
+    """One line: each 2025-26 method's mean over (N, 2N] on a frontier task, over seeds, best first;
+    "not learned" where its runs miss the bar at N."""
+    s = study("frontier")
+    key = frontier_key(task)
+    records = headline_by(s, key)
+    near = run_window_mean(s, next(iter(records.values()))["metric"], 1, 2, key)
+    methods = sorted((m for m in FRONTIER_2025 if m in near),
+                     key=lambda m: (report.not_learned(records[m]), -near[m]["mean"], m))
+    return ", ".join(f"`{m}` " + ("not learned" if report.not_learned(records[m]) else num(near[m]["mean"]))
+                     for m in methods)
 
 
 def frontier_2025_copy() -> str:
@@ -828,12 +843,17 @@ def rows(*dirs: str):
     return collect([REFERENCE / d for d in dirs])
 
 
+FILTER = re.compile(r"(?P<column>\w+)(?P<op>>=|<|=)(?P<value>.*)")
+COMPARE = {"=": lambda a, b: a == b, "<": lambda a, b: a < b, ">=": lambda a, b: a >= b}
+
+
 def runs_of(args: tuple[str, ...]) -> list:
-    """args: directories under results/reference/ and column=value filters; one frame per run."""
-    dirs = [a for a in args if "=" not in a]
-    frame = rows(*dirs)
-    for column, value in (a.split("=", 1) for a in args if "=" in a):
-        frame = frame[frame[column].astype(str) == value]
+    """args: directories under results/reference/ and filters column=value, column<value or column>=value
+    (compared as text, so ISO times order: time<2026-11-27); one frame per run, of the rows that pass."""
+    filters = [m for a in args if (m := FILTER.fullmatch(a))]
+    frame = rows(*(a for a in args if not FILTER.fullmatch(a)))
+    for m in filters:
+        frame = frame[COMPARE[m["op"]](frame[m["column"]].astype(str), m["value"])]
     return [part for _, part in frame.groupby("run_id")]
 
 
@@ -897,7 +917,7 @@ def tests_text(n: int) -> str:
 
 
 VALUES = {f.__name__.replace("_", "-"): f for f in (
-    encodings, sweep, sweep_axes, axis, runs, cost, wall, train_range, cases, length)}
+    encodings, sweep, sweep_axes, axis, runs, cost, wall, train_range, cases, length, frontier_2025_scores)}
 VALUES["tests"] = lambda: tests_text(suite_size())
 
 

@@ -163,8 +163,8 @@ def test_drift_is_caught(tmp_path, monkeypatch):
     ("over <!-- value:encodings -->30<!-- /value --> encodings", "over <!-- value:encodings -->{encodings}<!-- /value --> encodings"),
     ("(<!-- value:sweep-axes experiment=synthetic_suite -->22 × 19 × 3 = 1,254<!-- /value --> runs)",
      "(<!-- value:sweep-axes experiment=synthetic_suite -->{synthetic}<!-- /value --> runs)"),
-    ("<!-- value:runs frontier -->150<!-- /value --> runs, <!-- value:cost frontier -->8 h 30 min<!-- /value -->",
-     "<!-- value:runs frontier -->156<!-- /value --> runs, <!-- value:cost frontier -->{cost}<!-- /value -->"),
+    ("<!-- value:runs frontier time<2026-11-27 -->150<!-- /value --> runs, <!-- value:cost frontier -->8 h 30 min<!-- /value -->",
+     "<!-- value:runs frontier time<2026-11-27 -->156<!-- /value --> runs, <!-- value:cost frontier -->{cost}<!-- /value -->"),
     ("<!-- value:tests -->over 3,900<!-- /value --> tests", "<!-- value:tests -->over 4,200<!-- /value --> tests"),
 ])
 def test_a_wrong_count_is_caught_and_rewritten(tmp_path, monkeypatch, capsys, line, fixed):
