@@ -101,7 +101,7 @@ def test_chunked_evaluation_of_a_window_reads_only_the_windows_keys(backend, mon
                         lambda self, q, k, v, call: keys_read.append((call.window, k.shape[-2]))
                         or original(self, q, k, v, call))
     model.set_eval_chunk(8)
-    torch.testing.assert_close(model(ids, pos), reference, rtol=0, atol=1e-10)
+    assert_close_scaled(model(ids, pos), reference, rtol=0, atol_scale=1e-10, name="chunked logits")
     windowed = [keys for window, keys in keys_read if window == 5]
     assert len(windowed) == 5 and max(windowed) == 8 + 5 - 1  # a chunk of 8 queries and the 4 keys before it
     assert model.blocks[1].attn.window is None
@@ -139,8 +139,8 @@ def test_schedule_layers_equal_their_standalone_encodings():
             single = Attention(D_MODEL, HEADS, layer, alone, get_backend(backend, alone), True).double()
             single.load_state_dict(attn.state_dict())
             with torch.no_grad():
-                torch.testing.assert_close(attn(x, PositionContext(sched, pos)), single(x, PositionContext(alone, pos)),
-                                           rtol=0, atol=1e-12, msg=f"{name} {backend}")
+                assert_close_scaled(attn(x, PositionContext(sched, pos)), single(x, PositionContext(alone, pos)),
+                                    rtol=0, atol_scale=1e-12, name=f"{name} {backend}")
 
 
 def test_schedule_routes_every_hook_to_its_layers_encoding():
@@ -161,8 +161,8 @@ def test_schedule_routes_every_hook_to_its_layers_encoding():
     single = Attention(D_MODEL, HEADS, 1, alone, get_backend("eager", alone), True).double()
     single.load_state_dict(attn.state_dict())
     with torch.no_grad():
-        torch.testing.assert_close(attn(x, PositionContext(sched, pos)), single(x, PositionContext(alone, pos)),
-                                   rtol=0, atol=1e-12)
+        assert_close_scaled(attn(x, PositionContext(sched, pos)), single(x, PositionContext(alone, pos)),
+                            rtol=0, atol_scale=1e-12, name="layer 1")
 
 
 def test_schedule_kinds_give_layers_their_own_parameters():

@@ -79,7 +79,7 @@ def test_matches_the_product_written_out(remainder, attend_current, causal):
     u = {"value": lambda b, h, i: v[b, h, i], "learned": lambda b, h, i: enc.head_bias[h].detach(),
          "none": None}[remainder]
     expected = naive_stick_breaking(q, k, v, u, attend_current, causal)
-    torch.testing.assert_close(attend(enc, q, k, v, causal), expected, rtol=0, atol=1e-12)
+    assert_close_scaled(attend(enc, q, k, v, causal), expected, rtol=0, atol_scale=1e-12, name="attention")
 
 
 def test_weights_form_a_broken_stick():
@@ -93,7 +93,7 @@ def test_weights_form_a_broken_stick():
     assert (weights >= 0).all() and (weights.sum(-1) <= 1 + 1e-12).all()
     assert (weights.triu() == 0).all()  # the current token and the future take nothing
     torch.testing.assert_close(extra[..., 0, :], v[..., 0, :], rtol=0, atol=0)
-    torch.testing.assert_close(extra, (1 - weights.sum(-1, keepdim=True)) * v, rtol=0, atol=1e-12)  # r_i v_i
+    assert_close_scaled(extra, (1 - weights.sum(-1, keepdim=True)) * v, rtol=0, atol_scale=1e-12, name="r_i v_i")
 
 
 def test_float32_at_length_2048_matches_float64():
@@ -230,7 +230,7 @@ def test_a_shift_of_every_position_changes_nothing(remainder, attend_current, ca
     tokens = ids()
     base = net(tokens, torch.arange(20)[None])
     for pos in (torch.arange(20)[None] + 1000, torch.arange(0, 60, 3)[None]):  # shifted, scattered
-        torch.testing.assert_close(net(tokens, pos), base, rtol=0, atol=1e-12)
+        assert_close_scaled(net(tokens, pos), base, rtol=0, atol_scale=1e-12, name="logits")
 
 
 @pytest.mark.parametrize("remainder,attend_current", SETTINGS)
@@ -241,7 +241,7 @@ def test_future_tokens_never_change_the_past(remainder, attend_current):
     for t in (0, 9, 18):
         changed = tokens.clone()
         changed[:, t + 1:] = (changed[:, t + 1:] + 1) % 11
-        torch.testing.assert_close(net(changed, pos)[:, :t + 1], out[:, :t + 1], rtol=0, atol=1e-12)
+        assert_close_scaled(net(changed, pos)[:, :t + 1], out[:, :t + 1], rtol=0, atol_scale=1e-12, name="past logits")
         assert not torch.allclose(net(changed, pos)[:, t + 1:], out[:, t + 1:])
 
 
