@@ -310,9 +310,10 @@ def parent(args: argparse.Namespace) -> None:
     deadline = began + args.budget_s
     device = resolve_device(args.device)
     folder = Path(args.out) / device_slug(device_name(device))
-    shares = {"encodings": 0.5, "default_job": 0.2, "sweep": 0.3}  # of the budget, in the order of --parts
+    weights = {"encodings": 0.5, "default_job": 0.2, "sweep": 0.3}  # the budget's split among the parts asked for
+    total = sum(weights[part] for part in args.parts)
     for part in args.parts:
-        part_deadline = min(deadline, time.time() + shares[part] * args.budget_s)
+        part_deadline = min(deadline, time.time() + weights[part] / total * args.budget_s)
         if part == "encodings":
             measure_encodings(args, part_deadline, folder / "encodings.csv")
         elif part == "default_job":
