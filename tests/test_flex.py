@@ -226,3 +226,14 @@ def test_flex_is_registered():
 def test_grid_biases_without_a_score_mod_are_refused(name):
     with pytest.raises(ValueError, match=f"backend=flex cannot run encoding {name}: its bias has no"):
         FlexBackend(compiled=False).check(make_encoding(name))
+
+
+@pytest.mark.parametrize("name", sorted(n for n, cls in REGISTRY.items() if "bias" in cls.hooks
+                                         and cls.position_dims == 1 and cls.hooks <= FlexBackend.supported_hooks))
+def test_a_plan_on_the_meta_device_takes_every_bias_with_a_score_mod(name):
+    """The run's plan builds the model on the meta device; a score_mod that reads position values (sandwich's
+    table per offset) cannot run there, and the plan must not refuse it (the built model's check probes it)."""
+    FlexBackend(compiled=False).check(make_encoding(name))
+    with torch.device("meta"):
+        planned = make_encoding(name)
+    FlexBackend(compiled=False).check(planned)
