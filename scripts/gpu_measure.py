@@ -86,6 +86,13 @@ def sequence_task_length(tokens: int) -> int:
     return max(1, tokens // 2)
 
 
+def built_task_length(encoding: str, length: int) -> int:
+    """The copy sequence's tokens at task length `length` (the memory guard judges the longest batch)."""
+    from hydra.utils import instantiate
+
+    return instantiate(compose_cfg([f"encoding={encoding}"]).task, _partial_=True)().sequence_length(length)
+
+
 def child(args: argparse.Namespace) -> None:
     """One model per backend and mode, built for the longest length and stepped at each length in turn: a
     compiled forward compiles once (graphs records a CUDA graph per length), as in a run's training."""
@@ -106,9 +113,11 @@ def child(args: argparse.Namespace) -> None:
                 if time.time() > args.deadline:
                     raise TimeoutError
                 compile_mode = MODES[mode]
+                longest = sequence_task_length(token_counts[-1])
+                longest_batch = max(1, args.tokens_per_step // built_task_length(args.encoding, longest))
                 cfg = compose_cfg([f"encoding={args.encoding}", f"backend={backend}", "model=small",
-                                   f"train.length={sequence_task_length(token_counts[-1])}", f"device={args.device}",
-                                   f"train.compile={str(compile_mode).lower()}"])
+                                   f"train.length={longest}", f"train.batch_size={longest_batch}",
+                                   f"device={args.device}", f"train.compile={str(compile_mode).lower()}"])
                 built = build(cfg, device)
                 model, task = built.model.train(), built.task
                 optimizer = make_optimizer(model, cfg.train)
