@@ -3,7 +3,7 @@ results/gpu/<device name>/ for docs/performance.md to read (scripts/docs_tables.
 
     python scripts/gpu_measure.py [--budget-s 460] [--parts encodings,default_job,sweep]
         [--encodings nope,alibi,...] [--tokens 32,256,1024,4096] [--modes eager,graphs]
-        [--device auto] [--out results/gpu] [--job-compile graphs] [--sweep-launcher OVERRIDE ...]
+        [--device auto] [--out results/gpu] [--job-modes eager,graphs] [--sweep-launcher OVERRIDE ...]
 
 - encodings.csv: `encoding, backend, mode, tokens, tokens_per_s, vs_nope` (and auto, batch_size, status) for
   every 1-D encoding on the backend `auto` gives it (auto true), and for those with a bias or a decay (where
@@ -17,7 +17,7 @@ results/gpu/<device name>/ for docs/performance.md to read (scripts/docs_tables.
   own auto backend at the same tokens and mode, measured in this run. One child process per encoding.
 - default_job.csv: `device, wall_s, train_s, exact_match_at_n, data_fingerprint` of the README's default
   job (`python -m posbench encoding=rope task=copy`) on this device, as it is (compile eager) and with
-  train.compile=graphs (--job-compile), with its training steps and tokens per second.
+  train.compile=graphs (--job-modes), with its training steps and tokens per second.
 - sweep.csv: `runs, wall_min, runs_per_hour, concurrent` of the frontier study's copy runs of seed 0 (the
   part one call can hold) through the sweep launcher (hydra/launcher=gpus, n_jobs = concurrent), a row per
   concurrency measured (a later call at another one adds its row); `extrapolated_study_min` scales it to the
@@ -196,12 +196,14 @@ def measure_encodings(args, deadline: float, path: Path) -> list[dict]:
                        "--backends", backends, "--modes", mode, "--tokens", ",".join(map(str, tokens)),
                        "--device", args.device, "--deadline", str(deadline), "--threads", str(args.threads),
                        "--tokens-per-step", str(args.tokens_per_step)]
-            try:  # a child checks the deadline between lengths: a compile past it is stopped here
-                done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
-                                      timeout=max(30.0, deadline - time.time() + 60))
+            # a child checks the deadline between lengths; one stuck in a step (a compile) is stopped at the
+            # deadline or after CHILD_S, so that it cannot take the next encodings' time
+            limit = max(5.0, min(deadline - time.time(), args.child_s))
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=limit)
                 stdout, why = done.stdout, f"failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}"[:300]
             except subprocess.TimeoutExpired as late:
-                stdout, why = late.stdout or "", "not measured: budget"
+                stdout, why = late.stdout or "", f"not measured: its process stopped after {limit:.0f} s"
                 stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
             found = [json.loads(line[len(RESULT_MARK):]) for line in stdout.splitlines()
                      if line.startswith(RESULT_MARK)]
@@ -227,9 +229,9 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def measure_default_job(args, out_device: str, deadline: float, env: dict) -> list[dict]:
-    """The README's default job on this device, timed whole, as it is and with each --job-compile mode."""
+    """The README's default job on this device, timed whole, in each --job-modes mode (train.compile)."""
     rows = []
-    for mode in ["eager", *args.job_compile]:
+    for mode in args.job_modes:
         with tempfile.TemporaryDirectory() as folder:
             start = time.perf_counter()
             command = [sys.executable, "-m", "posbench", "encoding=rope", "task=copy", f"device={args.device}",
@@ -345,12 +347,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default="eager,graphs", help=f"of {','.join(MODES)} (train.compile)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--child-s", type=float, default=120.0, help="at most this long for one encoding's process")
     parser.add_argument("--tokens-per-step", type=int, default=TOKENS_PER_STEP, help="a batch's tokens, about")
     parser.add_argument("--out", default=str(ROOT / "results" / "gpu"))
     parser.add_argument("--sweep-launcher", nargs="*", default=["hydra/launcher=gpus", "hydra.launcher.n_jobs=13"],
                         help="the sweep's launcher overrides (default: the GPU-filling launcher, all 13 runs at once)")
     parser.add_argument("--job-overrides", nargs="*", default=[], help="overrides added to the default job")
-    parser.add_argument("--job-compile", default="graphs", help="the default job again in these modes besides eager")
+    parser.add_argument("--job-modes", default="eager,graphs", help="the default job in these modes (train.compile)")
     parser.add_argument("--sweep-overrides", nargs="*", default=[], help="overrides added to the sweep")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--encoding", help=argparse.SUPPRESS)
@@ -366,9 +369,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--parts: unknown {bad}; choose from ['default_job', 'encodings', 'sweep']")
     args.modes = [m for m in args.modes.split(",") if m]
     args.tokens = [int(t) for t in args.tokens.split(",") if t] if args.tokens else []
-    args.job_compile = [m for m in args.job_compile.split(",") if m and m != "eager"]
-    if set(args.modes + args.job_compile) - set(MODES):
-        raise SystemExit(f"--modes, --job-compile: choose from {list(MODES)}")
+    args.job_modes = [m for m in args.job_modes.split(",") if m]
+    if set(args.modes + args.job_modes) - set(MODES):
+        raise SystemExit(f"--modes, --job-modes: choose from {list(MODES)}")
     parent(args)
 
 

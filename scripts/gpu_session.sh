@@ -3,7 +3,9 @@
 # back under $OUT. The GPU machine has torch but not Hydra, and no network: carry the wheels, fetched here.
 #   here:   bash scripts/gpu_session.sh fetch       # the wheels into .whl/ (ignored through .git/info/exclude)
 #   there:  the device tool's run with carry [".whl"], timeout_s 590, command: bash scripts/gpu_session.sh run
-# Then copy $OUT's results_gpu_<device>_*.csv to results/gpu/<device>/ and commit them with the device's name.
+# Then copy $OUT's results_gpu_<device>_*.csv to results/gpu/<device>/ and commit them with the device's name;
+# rows of a later call join the committed ones (its own nope: a `call` column tells them apart), and the
+# folder's README says what each call ran.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(hydra-core==1.3.8 omegaconf==2.3.1 hydra-joblib-launcher==1.2.0)
@@ -31,17 +33,18 @@ run)
     measure() { local budget=$1; shift
         (( $(left) > budget + 20 )) || budget=$(( $(left) - 20 ))
         (( budget > 10 )) || return 0
-        timeout $(( budget + 15 )) python3 scripts/gpu_measure.py --budget-s "$budget" --out /tmp/gpu "$@" \
+        timeout $(( budget + 30 )) python3 scripts/gpu_measure.py --budget-s "$budget" --out /tmp/gpu "$@" \
             2>&1 | tee -a "$OUT/measure.log"; keep; }
-    # the README's default job, eager and graph-captured
-    measure 130 --parts default_job
+    # the README's default job (GPU_JOB_MODES: eager was measured on an H100 on 2026-11-27, graphs not yet)
+    measure 170 --parts default_job --job-modes "${GPU_JOB_MODES:-graphs}"
     # the CUDA checks of the data path, the compile modes and the launcher's pinning
-    timeout $(( $(left) < 130 ? $(left) : 130 )) python3 -m pytest -q -p no:randomly -n 8 -p no:cacheprovider \
+    timeout $(( $(left) < 130 ? $(left) : 130 )) python3 -m pytest -v -p no:randomly -n 8 -p no:cacheprovider \
         tests/test_gpu_slots.py tests/test_cuda.py \
         -k "cpu_runs_sequences or compiled_mode or records_device_memory or gpus_of_their_slots" \
         2>&1 | tee "$OUT/tests.log"
-    # the issue's target encodings against nope, on every backend, eager then graph-captured
-    measure 190 --parts encodings --encodings "${GPU_ENCODINGS:-nope,rope,alibi,sandwich,kerple,fox,t5,fire,cope,dape,stick_breaking}"
+    # the issue's target encodings against nope, on every backend, eager then graph-captured (GPU_ENCODINGS:
+    # nope, alibi, sandwich, fox and t5 were measured eager on an H100 on 2026-11-27)
+    measure 190 --parts encodings --encodings "${GPU_ENCODINGS:-nope,fire,cope,dape,stick_breaking,kerple}"
     # whatever is left: the sweep launcher on the frontier study's copy runs
     measure $(( $(left) - 25 )) --parts sweep
     ;;

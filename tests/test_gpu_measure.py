@@ -67,7 +67,7 @@ def test_a_spent_budget_leaves_every_row_marked_not_measured(tmp_path):
 
 
 def test_the_default_job_and_the_sweep_parts(tmp_path, monkeypatch):
-    run(tmp_path, "--parts", "default_job,sweep", "--job-overrides", "debug=smoke", "--job-compile", "",
+    run(tmp_path, "--parts", "default_job,sweep", "--job-overrides", "debug=smoke", "--job-modes", "eager",
         "--sweep-overrides", "debug=smoke", "frontier_method=nope,alibi",
         "--sweep-launcher", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2")
     (job,) = read(tmp_path, "default_job.csv")
