@@ -6,7 +6,7 @@ against the peak resident set measured by posbench.memory: tests/test_guard.py).
 
     tokens T = task.sequence_length(length) (a grid: side^2 cells; + task.memory for the keys K),
     B = min(eval.batch_size, eval.samples), D = d_model, r = mlp_ratio, V = vocab, H = heads, row = B x T x D x 4 bytes
-    data         B x T x DATA_BYTES (96 bytes a token; the heavier tasks in DATA_BYTES) + T x (D x 4 + 32)
+    data         B x T x task.data_bytes_per_token (96 unless a task declares more) + T x (D x 4 + 32)
                  the batch, its generation's temporaries, position ids and a per-forward position table
     forward      the largest of three phases (no_grad: one layer's tensors live at once):
                  attention     ATTENTION_ROWS (10) rows + the attention of one chunk (below)
@@ -61,16 +61,7 @@ from posbench.validate import eval_chunk
 
 MIB = 2**20
 FLOAT = 4  # bytes of a float32 (bf16 autocast allocates less; the bound stays fp32's)
-# the batch (inputs, targets, mask: int64) and its generation's temporaries, per token: measured peaks of
-# task.eval_batches here were 14-55 bytes for most tasks; the heavier ones are listed (a task may also declare
-# `data_bytes_per_token` itself)
-DATA_BYTES_PER_TOKEN = 96
-DATA_BYTES = {"stack_manipulation": 256, "counting": 224, "polynomial_evaluation": 224, "grid_nearest": 160,
-              "life": 112, "addition": 112, "binary_addition": 112}  # measured 205, 185, 179, 127, 84, ~80, 74
-# tasks whose every sequence draws a permutation of a whole alphabet, task.<setting> symbols, to take its
-# first `length` (distinct keys, variables): float32 draws, then argsort's values and int64 indices
-ALPHABET_DRAWS = {"associative_recall": "keys", "mqar": "keys", "lego": "variables"}
-DRAW_BYTES_PER_SYMBOL = 24
+DRAW_BYTES_PER_SYMBOL = 24  # an alphabet draw (Task.alphabet_setting): float32 draws, argsort values, int64 indices
 ATTENTION_ROWS = 10  # [B, T, D] tensors live around attention: x, norm, q k v, rotated q k, output blocks, copies
 MLP_EXTRA_ROWS = 4  # beside the [B, T, mlp_ratio D] pair: x, its norm, the output, the sum
 HEAD_COPIES = 3  # [B, T, V]: the logits, log-softmax, the loss's temporaries (+ 32 bytes a token: argmax, masks)
@@ -178,12 +169,12 @@ def attention_bytes(built, cfg, length: int, batch: int, tokens: int, keys: int,
 
 
 def data_bytes_per_token(task) -> float:
-    return float(getattr(task, "data_bytes_per_token", None) or DATA_BYTES.get(task.name, DATA_BYTES_PER_TOKEN))
+    return float(task.data_bytes_per_token)
 
 
 def alphabet_draw_bytes(task) -> float:
-    """Per sequence drawn: a permutation of the task's alphabet (ALPHABET_DRAWS), whatever the length."""
-    setting = ALPHABET_DRAWS.get(task.name)
+    """Per sequence drawn: a permutation of the task's alphabet (Task.alphabet_setting), whatever the length."""
+    setting = task.alphabet_setting
     return float(DRAW_BYTES_PER_SYMBOL * getattr(task, setting)) if setting else 0.0
 
 
@@ -571,7 +562,7 @@ def training_parts(cfg: DictConfig, built) -> list[Part]:
     positions = Cause(positions_setting, dims.max_positions / (DEFAULT_LONGEST_RATIO * dims.train_positions),
                       f"{dims.max_positions:,} positions")
     row = float(batch) * tokens * mcfg.d_model * FLOAT
-    alphabet = ALPHABET_DRAWS.get(task.name)
+    alphabet = task.alphabet_setting
     draw_causes = [task_cause(task, alphabet, getattr(task, alphabet))] if alphabet else []
     return [
         Part("the token embedding and head [V, D] with gradients and AdamW's state",

@@ -44,6 +44,11 @@ class Task:
     position_dims: int = 1  # the positions handed to the model: 1 ids [1, T]; 2 (row, column) [1, T, 2] (grids)
     memory: int = 0  # tokens of segment-recurrence memory its evaluation batches carry (0: none)
     metrics: tuple[str, ...] = ACCURACY  # the metrics `finalize` measures: names declared in posbench.metrics
+    # what the memory guard (posbench.guard) charges a drawn batch: bytes a token (the batch, int64 inputs,
+    # targets and mask, with its generation's temporaries: 14-55 measured for most tasks), and the setting
+    # naming an alphabet every sequence draws a permutation of, whatever its length (None: no such draw)
+    data_bytes_per_token: float = 96.0
+    alphabet_setting: str | None = None
 
     def params(self) -> dict:
         return {}

@@ -20,6 +20,7 @@ from tasks.options import check_layout
 
 class Lego(SequenceTask):
     name = "lego"
+    alphabet_setting = "variables"  # each sequence permutes all task.variables (posbench.guard)
     options = ("variables",)
 
     def __init__(self, variables: int = 32, default_length: int = 8, bos: bool = True, causal: bool = True):

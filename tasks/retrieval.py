@@ -208,6 +208,7 @@ class AssociativeRecall(RetrievalTask):
     """Ids: keys 0..K-1, values K..K+V-1, then QUERY, SEP, BOS, PLACEHOLDER."""
 
     name = "associative_recall"
+    alphabet_setting = "keys"  # each sequence permutes all task.keys (posbench.guard)
 
     def __init__(self, keys: int = 64, values: int = 32, queries: int | None = 1, default_length: int = 16,
                  causal: bool = True, depth_bins: int = 10):

@@ -19,6 +19,7 @@ POP, PUSH_A, END = 2, 3, 5
 
 class StackManipulation(SequenceTask):
     name = "stack_manipulation"
+    data_bytes_per_token = 256.0  # measured 205 (posbench.guard)
 
     def __init__(self, default_length: int = 16, bos: bool = True, causal: bool = True):
         check_layout(self.name, default_length, bos, causal)
