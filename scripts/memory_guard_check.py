@@ -72,7 +72,7 @@ def child(encoding: str, setting: str, mode: str, length: int) -> dict:
 
     from posbench import evaluation
     from posbench.build import build
-    from posbench.memory import PeakMemory
+    from posbench.memory import PeakMemory, evaluation_peaks
     from posbench.training import make_optimizer, train_step
 
     torch.set_num_threads(1)
@@ -92,17 +92,10 @@ def child(encoding: str, setting: str, mode: str, length: int) -> dict:
             train_step(built.model, built.model, built.task, batch, positions, optimizer, cfg.train, cpu)
         measured = (memory.peak() - memory.base) * MIB
     else:
-        starts = []
-
-        class Recorded(PeakMemory):
-            def start(self):
-                super().start()
-                starts.append(self)
-
-        evaluation.PeakMemory = Recorded
         built = build(cfg, cpu)
-        row = evaluation.evaluate(built, length, cfg.eval, cpu)
-        memory = starts[-1]
+        with evaluation_peaks() as started:
+            row = evaluation.evaluate(built, length, cfg.eval, cpu)
+        memory = started[-1]
         measured = (row["peak_mem_mb"] - memory.base) * MIB
         estimated = eval_estimate(cfg, built, length)
     if not memory.resettable:
