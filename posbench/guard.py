@@ -33,8 +33,9 @@ against the peak resident set measured by posbench.memory: tests/test_guard.py).
 `memory_limit` is eval.memory_limit in MiB, or the memory available less a margin, and on the CPU never
 more than the process's own limits (RLIMIT_AS less VmSize, RLIMIT_DATA less VmData) less a margin; it
 names which was smallest. The runner's build calls, before the model and data exist, `check_training`
-(the parameters with AdamW's state, the activations at train.batch_size x train.length, the head's
-logits, the batch: refused naming the setting at fault) and `check_run`, which compares every length with
+(the parameters with AdamW's state, the activations at train.batch_size x train.length, a torchrun rank's
+share of them, the head's logits, the batch: refused naming the setting at fault; the ranks of one CPU host
+share its memory) and `check_run`, which compares every length with
 the limit, lowers eval.batch_size where a smaller batch fits, and refuses with a ValueError naming
 eval.lengths, the length, the estimate and the limit where not even one sequence at a time fits.
 `translate_oom` turns an allocation error that still happens into a message naming the length and the
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -51,7 +53,7 @@ from types import SimpleNamespace
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from posbench import settings
+from posbench import distributed, settings
 from posbench.attention.layer import Attention
 from posbench.attention.select import BACKENDS
 from posbench.encodings.base import LayerShape
@@ -540,9 +542,12 @@ def training_attention_bytes(built, batch: int, tokens: int) -> float:
 
 def training_parts(cfg: DictConfig, built) -> list[Part]:
     """What a training step allocates, by part, from the plan (posbench.build.plan_run): the parameters with
-    their gradients and AdamW's state, the activations kept for the backward, the head's logits, the batch."""
+    their gradients and AdamW's state, the activations kept for the backward, the head's logits, the batch.
+    Data-parallel, a rank steps on its share of the global batch (posbench.distributed.shard) but draws the
+    whole batch, as every rank does."""
     mcfg, task = built.model.cfg, built.task
     batch, tokens = int(cfg.train.batch_size), int(task.sequence_length(built.train_length))
+    rows = -(-batch // distributed.size())  # this rank's rows: the first ranks take one more where they do not divide
     tables = {"tok.": 0.0, "head.": 0.0, "encoding.": 0.0, "": 0.0}  # by name prefix; "": the layers
     for name, tensor in (*built.model.named_parameters(), *built.model.named_buffers()):
         copies = 1 + OPTIMIZER_COPIES if isinstance(tensor, torch.nn.Parameter) else 1
@@ -561,7 +566,7 @@ def training_parts(cfg: DictConfig, built) -> list[Part]:
         positions_setting = lengths_setting(cfg, built)[1]
     positions = Cause(positions_setting, dims.max_positions / (DEFAULT_LONGEST_RATIO * dims.train_positions),
                       f"{dims.max_positions:,} positions")
-    row = float(batch) * tokens * mcfg.d_model * FLOAT
+    row = float(rows) * tokens * mcfg.d_model * FLOAT
     alphabet = task.alphabet_setting
     draw_causes = [task_cause(task, alphabet, getattr(task, alphabet))] if alphabet else []
     return [
@@ -572,13 +577,22 @@ def training_parts(cfg: DictConfig, built) -> list[Part]:
         Part("the layers' weights with gradients and AdamW's state", tables[""], [width, depth]),
         Part("the activations kept for the backward",
              mcfg.n_layers * (ATTENTION_ROWS + MLP_EXTRA_ROWS + TRAIN_EXTRA_ROWS + 2 * mcfg.mlp_ratio) * row
-             + training_attention_bytes(built, batch, tokens), [*step, width, depth]),
+             + training_attention_bytes(built, rows, tokens), [*step, width, depth]),
         Part("the head's logits [B, T, V] and the loss's",
-             batch * tokens * (task.vocab_size * FLOAT * TRAIN_HEAD_COPIES + 32.0), [*step, *vocabulary]),
+             rows * tokens * (task.vocab_size * FLOAT * TRAIN_HEAD_COPIES + 32.0), [*step, *vocabulary]),
         Part("the training batch", batch * (tokens * data_bytes_per_token(task) + alphabet_draw_bytes(task)),
              [*step, *draw_causes]),
         Part("overhead", float(OVERHEAD), []),
     ]
+
+
+def shared_limit(limit: Limit, device: torch.device | str) -> Limit:
+    """A CPU host's memory shared by the ranks torchrun started on it (LOCAL_WORLD_SIZE): each rank's share.
+    On CUDA each rank has a GPU of its own, and eval.memory_limit is already one process's."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if distributed.size() > 1 else 1
+    if local == 1 or limit.bytes is None or torch.device(device).type == "cuda" or limit.source.startswith(SETTING):
+        return limit
+    return Limit(limit.bytes / local, f"{limit.source}, shared by this host's {local} ranks", limit.remedy)
 
 
 def check_training(cfg: DictConfig, built, device: torch.device | str = "cpu") -> list[Part]:
@@ -588,7 +602,7 @@ def check_training(cfg: DictConfig, built, device: torch.device | str = "cpu") -
     if not int(cfg.train.steps):
         return []
     parts = training_parts(cfg, built)
-    limit = memory_limit(cfg, device)
+    limit = shared_limit(memory_limit(cfg, device), device)
     total = sum(part.bytes for part in parts)
     if limit.bytes is None or total <= limit.bytes:
         return parts

@@ -416,3 +416,25 @@ def test_other_errors_pass_unchanged():
     with pytest.raises(RuntimeError, match="shape mismatch"):
         with guard.translate_oom(length=7):
             raise RuntimeError("shape mismatch")
+
+
+def test_a_data_parallel_rank_is_judged_on_its_rows_and_its_share_of_the_host(monkeypatch):
+    """Under torchrun a rank steps on its share of the global batch (it draws the whole batch, as every rank
+    does), and the ranks of one CPU host share its memory."""
+    cfg = compose_cfg("device=cpu", "train.batch_size=64")
+    built = plan_run(cfg, torch.device("cpu"))
+    alone = {part.name: part.bytes for part in guard.training_parts(cfg, built)}
+    monkeypatch.setattr(guard.distributed, "size", lambda: 4)
+    ranked = {part.name: part.bytes for part in guard.training_parts(cfg, built)}
+    assert ranked["the training batch"] == alone["the training batch"]
+    assert ranked["the head's logits [B, T, V] and the loss's"] == alone["the head's logits [B, T, V] and the loss's"] / 4
+    activations = "the activations kept for the backward"
+    assert 0.2 * alone[activations] <= ranked[activations] <= 0.3 * alone[activations]
+    assert ranked["the layers' weights with gradients and AdamW's state"] == \
+        alone["the layers' weights with gradients and AdamW's state"]
+    limit = guard.Limit(8 * 2**30, "MemAvailable: 8.0 GiB less a margin")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 4 ranks, 2 on this host
+    shared = guard.shared_limit(limit, "cpu")
+    assert shared.bytes == limit.bytes / 2 and "shared by this host's 2 ranks" in shared.source
+    assert guard.shared_limit(limit, "cuda") is limit  # a GPU of its own
+    assert guard.shared_limit(guard.Limit(2**30, "eval.memory_limit=1024 MiB"), "cpu").bytes == 2**30  # one process's
