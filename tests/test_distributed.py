@@ -2,7 +2,7 @@
 (gloo). Their rows equal one process's at the same global batch; a run stopped on one rank and killed
 on another resumes to the uninterrupted rows; a refused command is refused by every rank at once,
 whichever rank finds the fault. Each torchrun costs seconds of start-up (three interpreters importing
-torch), so the file starts six in all, the uninterrupted run once per session for every xdist worker."""
+torch), so the file starts eight in all, the uninterrupted run once per session for every xdist worker."""
 import fcntl
 import json
 import os
@@ -104,6 +104,21 @@ def test_a_run_stopped_on_one_rank_and_killed_on_another_resumes_to_the_uninterr
     assert measured(rows) == measured(expected)
     assert [r["loss"] for r in rows] == [r["loss"] for r in expected]
     assert status(run_dir)["state"] == "ok" and status(run_dir)["resumed"] == 2
+
+
+def test_a_sigterm_to_one_rank_in_evaluation_stops_both_and_the_resumed_run_gives_the_uninterrupted_rows(
+        uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    # SIGTERM reaches rank 1 alone, as it starts the second length: the ranks' vote stops both within it
+    result, stderr, seconds = torchrun(run_dir, *OVERRIDES, kill=("evaluate", 1, 2, "SIGTERM"))
+    assert result.returncode != 0
+    record = status(run_dir)
+    assert record["state"] == "killed" and record["signal"] == "SIGTERM", record
+    assert [row["eval_length"] for row in read_rows(run_dir)] == [16]  # the first length's row is kept
+    result, stderr, _ = torchrun(run_dir, *OVERRIDES)
+    assert result.returncode == 0, "\n".join(stderr.values())[-3000:]
+    assert measured(read_rows(run_dir)) == measured(read_rows(uninterrupted))
+    assert status(run_dir)["state"] == "ok" and status(run_dir)["resumed"] == 1
 
 
 @pytest.mark.parametrize("case", ["every rank", "rank 0"])
