@@ -12,9 +12,9 @@ results/gpu/<device name>/ for docs/performance.md to read (scripts/docs_tables.
   (8,192 too with a bias or a decay). A backend that cannot train the encoding here is a row with its refusal
   as status. A step is posbench.training.train_step on the copy task at model=small, with about
   TOKENS_PER_STEP tokens a batch, of one model per backend and mode built for the longest length (a compiled
-  forward compiles once, as in a run); tokens/s is over the median of the timed steps. `tokens` is the
-  sequence the model sees (copy's 2n + 1 for n = tokens // 2). vs_nope divides by nope on its
-  own auto backend at the same tokens and mode, measured in this run. One child process per encoding.
+  forward compiles once, as in a run); tokens/s is over the median of the timed steps (8, or as many as fill
+  0.5 s, at most 200: `timed_steps`). `tokens` is the sequence the model sees (copy's 2n + 1 for n = tokens // 2).
+  vs_nope divides by nope on its own auto backend at the same tokens and mode, measured in this run. One child process per encoding.
 - default_job.csv: `device, wall_s, train_s, exact_match_at_n, data_fingerprint` of the README's default
   job (`python -m posbench encoding=rope task=copy`) on this device, as it is (compile eager) and with
   train.compile=graphs (--job-modes), with its training steps and tokens per second.
@@ -54,7 +54,9 @@ LONG_TOKENS = 8192  # for the encodings with a bias or a decay
 MODES = {name: setting for setting, name in TABLE_MODES.items()}  # the table's mode -> train.compile
 TOKENS_PER_STEP = 65536  # a batch of about this many tokens: 64 sequences of 1,025
 WARMUP_STEPS, TIMED_STEPS = 3, 8
-ENCODING_FIELDS = ["encoding", "backend", "mode", "tokens", "tokens_per_s", "vs_nope", "auto", "batch_size", "status"]
+TIMED_SECONDS, MOST_STEPS = 0.5, 200  # short steps are timed longer: at least this long, at most this many
+ENCODING_FIELDS = ["encoding", "backend", "mode", "tokens", "tokens_per_s", "vs_nope", "auto", "batch_size", "status",
+                   "timed_steps"]
 DEFAULT_JOB_FIELDS = ["device", "wall_s", "train_s", "exact_match_at_n", "data_fingerprint", "compile",
                       "train_steps_per_s", "train_tokens_per_s", "status"]
 SWEEP_FIELDS = ["runs", "wall_min", "runs_per_hour", "concurrent", "extrapolated_study_min", "note"]
@@ -135,8 +137,8 @@ def child(args: argparse.Namespace) -> None:
                 try:
                     if time.time() > args.deadline:
                         raise TimeoutError
-                    seconds = []
-                    for step in range(WARMUP_STEPS + TIMED_STEPS):
+                    seconds, step = [], 0
+                    while step < WARMUP_STEPS + TIMED_STEPS or sum(seconds) < TIMED_SECONDS and len(seconds) < MOST_STEPS:
                         batch = draws.to_device(task.sample(batch_size, length, generator), device)
                         positions = torch.arange(seq, device=device)[None]  # [1, T]
                         sync(device)
@@ -146,7 +148,9 @@ def child(args: argparse.Namespace) -> None:
                         sync(device)
                         if step >= WARMUP_STEPS:
                             seconds.append(time.perf_counter() - start)
-                    row |= {"status": "ok", "tokens_per_s": batch_size * seq / statistics.median(seconds)}
+                        step += 1
+                    row |= {"status": "ok", "tokens_per_s": batch_size * seq / statistics.median(seconds),
+                            "timed_steps": len(seconds)}
                 except Exception as err:  # a compile failure, memory: recorded
                     row |= {"status": failure(err)}
                 print(RESULT_MARK + json.dumps(row), flush=True)

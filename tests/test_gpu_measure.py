@@ -39,7 +39,7 @@ def test_encodings_on_every_backend_with_nope_in_the_same_run(tmp_path, monkeypa
         "--tokens-per-step", "256", "--budget-s", "300")
     rows = read(tmp_path, "encodings.csv")
     assert list(rows[0]) == ["encoding", "backend", "mode", "tokens", "tokens_per_s", "vs_nope", "auto",
-                             "batch_size", "status"]
+                             "batch_size", "status", "timed_steps"]
     assert [(r["encoding"], r["backend"], r["auto"]) for r in rows] == [
         ("nope", "sdpa", "True"), ("alibi", "sdpa", "True"), ("alibi", "sdpa", "False"), ("alibi", "flex", "False"),
         ("alibi", "eager", "False")]  # auto's choice named, then every backend
@@ -48,6 +48,7 @@ def test_encodings_on_every_backend_with_nope_in_the_same_run(tmp_path, monkeypa
     for backend in ("sdpa", "eager"):
         row = by_backend["alibi", backend]
         assert row["status"] == "ok" and row["tokens"] == "33" and row["batch_size"] == str(256 // 33)
+        assert 8 <= int(row["timed_steps"]) <= 200  # at least 8, more while they fill less than 0.5 s
         nope = float(by_backend["nope", "sdpa"]["tokens_per_s"])
         assert float(row["vs_nope"]) == pytest.approx(float(row["tokens_per_s"]) / nope)
     assert by_backend["alibi", "flex"]["status"].startswith("failed: ValueError: backend=flex trains on CUDA only")
