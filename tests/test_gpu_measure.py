@@ -85,3 +85,14 @@ def test_the_default_job_and_the_sweep_parts(tmp_path, monkeypatch):
     run(tmp_path, "--parts", "sweep", "--sweep-overrides", "debug=smoke", "frontier_method=nope",
         "--sweep-launcher", "hydra/launcher=joblib", "hydra.launcher.n_jobs=1")
     assert [row["concurrent"] for row in read(tmp_path, "sweep.csv")] == ["2", "1"]  # a row per concurrency
+
+
+def test_an_encodings_process_past_its_time_is_stopped_and_its_rows_say_so(tmp_path):
+    """--child-s bounds one encoding's process (at least 5 s): a stuck compile cannot take the later encodings'
+    time. 4,097 tokens in batches of 65,536 take far longer than 5 s on a CPU."""
+    run(tmp_path, "--parts", "encodings", "--encodings", "nope", "--tokens", "32,4096", "--modes", "eager",
+        "--child-s", "1", "--budget-s", "300")
+    rows = read(tmp_path, "encodings.csv")
+    assert [r["tokens"] for r in rows][-1] == "4096"  # the planned length, never measured
+    assert rows[-1]["status"] == "not measured: its process stopped after 5 s"
+    assert all(r["status"] in ("ok", rows[-1]["status"]) for r in rows)
