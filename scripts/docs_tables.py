@@ -553,6 +553,14 @@ FRONTIER_CLAIMS = (
           "not an extrapolation claim", "wikitext", ("rope",), (0.99, 1)),
     Claim("rnope", "RoPE and NoPE layers together beat RoPE on long context (Cohere, arXiv 2501.18795)",
           "wikitext", ("rope",), (1, math.inf)),
+    Claim("pope", "trained at 1024, PG-19 perplexity flat to 10x where RoPE degrades (OWT, 124M-774M; a figure)",
+          "wikitext", ("rope",), (1, math.inf)),
+    Claim("fope", "perplexity more stable than RoPE's and ALiBi's past the training length (OLMo 60M-1.2B, C4; a "
+          "figure)", "wikitext", ("rope", "alibi"), (1, math.inf)),
+    Claim("scale_invariant", "trained at 4k, validation loss at 16k and 64k below RoPE's and ALiBi's (162M)",
+          "wikitext", ("rope", "alibi"), (1, math.inf)),
+    Claim("cable", "trained at 512, lower perplexity at 1024-8192 than sinusoidal, ALiBi and FoX (334M, FineWeb-Edu)",
+          "wikitext", ("alibi", "fox"), (1, math.inf)),
 )
 
 
@@ -622,21 +630,22 @@ FRONTIER_2025 = ("grape_m", "grape_a", "grape_ap", "pope", "fope", "scale_invari
 FRONTIER_2025_BASELINES = ("rope", "alibi", "nope", "fox")
 
 
-def frontier_2025(task: str) -> str:
+def frontier_2025(task: str, ratios: tuple[int, ...] = (1, 2, 4), past: int = 2) -> str:
     """docs/studies.md: the 2025-26 methods on one frontier task beside rope, alibi, nope and fox: the metric at
-    N, 2N and 4N and its mean over (N, 2N], each the mean over seeds with their range."""
+    each ratio of N and its mean over (N, past N], each the mean over seeds with their range."""
     s = study("frontier")
     key = frontier_key(task)
     records = headline_by(s, key)
     metric = next(iter(records.values()))["metric"]
-    ratios = (1, 2, 4)
+    digits = 2 if lower_is_better(metric) else 3
     at = {r: run_window_mean(s, metric, r - 0.01, r, key) for r in ratios}
-    near = run_window_mean(s, metric, 1, 2, key)
+    near = run_window_mean(s, metric, 1, past, key)
     rows = [[f"`{m}`", str(near[m]["n"]), "not learned" if report.not_learned(records[m]) else "yes",
-             *(ranged(at[r][m], 3) if m in at[r] else "–" for r in ratios), ranged(near[m], 3)]
+             *(ranged(at[r][m], digits) if m in at[r] else "–" for r in ratios), ranged(near[m], digits)]
             for m in (*FRONTIER_2025_BASELINES, *FRONTIER_2025) if m in near]
-    header = ["method", "seeds", "learned at N", f"{metric} at N", "at 2N", "at 4N", "(N, 2N]"]
-    return table(header, rows, ["---", "---:", "---"] + ["---:"] * 4)
+    header = ["method", "seeds", "learned at N", f"{metric} at N", *(f"at {r}N" for r in ratios[1:]),
+              f"(N, {past}N]"]
+    return table(header, rows, ["---", "---:", "---"] + ["---:"] * (len(ratios) + 1))
 
 
 def frontier_2025_scores(task: str) -> str:
@@ -658,6 +667,10 @@ def frontier_2025_copy() -> str:
 
 def frontier_2025_flip_flop_sparse() -> str:
     return frontier_2025("flip_flop_sparse")
+
+
+def frontier_2025_wikitext() -> str:
+    return frontier_2025("wikitext", (1, 2, 4, 8), past=8)
 
 
 def frontier_copy() -> str:
@@ -778,7 +791,7 @@ TABLES = {f.__name__.replace("_", "-"): f for f in (
     grid_extrapolation, scale_study, scale_study_eos, scale_study_medium, report_sweep, lm_extrapolation,
     lm_extrapolation_sliding, lm_memory, rope_scaling, rope_finetune, frontier_glance, frontier_claims,
     frontier_copy, frontier_flip_flop_sparse, frontier_wikitext, frontier_counting, frontier_2025_copy,
-    frontier_2025_flip_flop_sparse, gpu_encodings, gpu_default_job,
+    frontier_2025_flip_flop_sparse, frontier_2025_wikitext, gpu_encodings, gpu_default_job,
     gpu_sweep, guard_memory)}
 
 
