@@ -673,6 +673,26 @@ def frontier_2025_wikitext() -> str:
     return frontier_2025("wikitext", (1, 2, 4, 8), past=8)
 
 
+def drope_pilot() -> str:
+    """docs/studies.md: DroPE with the drop at half the steps (results/reference/drope_pilot), with and without
+    its QK-norm, beside the frontier study's nope and rope on copy: exact match at N, 1.25N and 1.5N over seeds."""
+    pilot, frontier_runs = study("drope_pilot"), study("frontier")
+    ratios = (1, 1.25, 1.5)
+
+    def pilot_key(p: dict) -> str:
+        return f"`drope` drop_at {p['encoding.drop_at']}, qk_norm {str(p['encoding.qk_norm']).lower()}"
+
+    def baseline_key(p: dict) -> str | None:
+        method = frontier_key("copy")(p)
+        return f"`{method}` (the study's)" if method in ("nope", "rope") else None
+
+    rows = []
+    for s, key in ((frontier_runs, baseline_key), (pilot, pilot_key)):
+        at = {r: run_window_mean(s, "exact_match", r - 0.01, r, key) for r in ratios}
+        rows += [[k, str(at[1][k]["n"]), *(ranged(at[r][k], 3) for r in ratios)] for k in sorted(at[1])]
+    return table(["run", "seeds", "exact_match at N", "at 1.25N", "at 1.5N"], rows, ["---", "---:"] + ["---:"] * 3)
+
+
 def frontier_copy() -> str:
     return frontier("copy")
 
@@ -791,7 +811,7 @@ TABLES = {f.__name__.replace("_", "-"): f for f in (
     grid_extrapolation, scale_study, scale_study_eos, scale_study_medium, report_sweep, lm_extrapolation,
     lm_extrapolation_sliding, lm_memory, rope_scaling, rope_finetune, frontier_glance, frontier_claims,
     frontier_copy, frontier_flip_flop_sparse, frontier_wikitext, frontier_counting, frontier_2025_copy,
-    frontier_2025_flip_flop_sparse, frontier_2025_wikitext, gpu_encodings, gpu_default_job,
+    frontier_2025_flip_flop_sparse, frontier_2025_wikitext, drope_pilot, gpu_encodings, gpu_default_job,
     gpu_sweep, guard_memory)}
 
 
