@@ -16,9 +16,9 @@ from posbench.encodings import ModelDims
 from posbench.encodings.fire import FIRE
 from posbench.encodings.kerple import inverse_softplus
 from posbench.model import ModelConfig, Transformer
-from tests.helpers import make_encoding
+from tests.helpers import assert_close_scaled, make_encoding
 
-F64 = dict(rtol=0, atol=1e-12)
+F64 = 1e-12  # float64 comparisons: this times the largest |expected| (at least 1)
 
 
 def bias_of(enc, pos, layer: int = 0) -> torch.Tensor:
@@ -52,7 +52,7 @@ def test_kerple_log_hand_computed():
     d2 = [0.0, -0.5493061443340549, -0.8047189562170501]
     expected = torch.tensor([[[d1[abs(i - j)] for j in range(3)] for i in range(3)],
                              [[d2[abs(i - j)] for j in range(3)] for i in range(3)]], dtype=torch.float64)
-    torch.testing.assert_close(bias_of(enc, [0, 1, 2])[0], expected, **F64)
+    assert_close_scaled(bias_of(enc, [0, 1, 2])[0], expected, rtol=F64)
 
 
 def test_kerple_power_hand_computed():
@@ -64,7 +64,7 @@ def test_kerple_power_hand_computed():
     d2 = [0.0, -0.5, -0.7071067811865476]
     expected = torch.tensor([[[d1[abs(i - j)] for j in range(3)] for i in range(3)],
                              [[d2[abs(i - j)] for j in range(3)] for i in range(3)]], dtype=torch.float64)
-    torch.testing.assert_close(bias_of(enc, [0, 1, 2])[0], expected, **F64)
+    assert_close_scaled(bias_of(enc, [0, 1, 2])[0], expected, rtol=F64)
 
 
 @pytest.mark.parametrize("variant", ["log", "power"])
@@ -113,7 +113,7 @@ def test_kerple_bias_is_shift_invariant(variant):
     enc = make_encoding("kerple", variant=variant).double()
     pos = torch.arange(10)[None]
     for shift in (1, 37, 1000):
-        torch.testing.assert_close(bias_of(enc, pos + shift), bias_of(enc, pos), **F64)
+        assert_close_scaled(bias_of(enc, pos + shift), bias_of(enc, pos), rtol=F64)
 
 
 def test_kerple_rejects_unknown_variant():
@@ -183,7 +183,7 @@ def test_fire_matches_formula_float64():
                 for kj, j in enumerate(pos[b].tolist()):
                     x = math.log(c * abs(i - j) + 1) / (math.log(c * max(threshold, i) + 1) + 1e-6)
                     want = mlp(torch.tensor([x], dtype=torch.float64)).detach()  # [H]
-                    torch.testing.assert_close(got[b, :, qi, kj], want, **F64)
+                    assert_close_scaled(got[b, :, qi, kj], want, rtol=F64)
 
 
 def test_fire_is_shift_invariant_only_below_the_threshold():
@@ -191,7 +191,7 @@ def test_fire_is_shift_invariant_only_below_the_threshold():
     enc = make_encoding("fire", init_threshold=100.0).double()
     pos = torch.arange(12)[None]
     # every query position stays below L = 100: the normaliser is the constant psi(L)
-    torch.testing.assert_close(bias_of(enc, pos + 50), bias_of(enc, pos), **F64)
+    assert_close_scaled(bias_of(enc, pos + 50), bias_of(enc, pos), rtol=F64)
     assert not torch.allclose(bias_of(enc, pos + 500), bias_of(enc, pos))
 
 
@@ -217,7 +217,7 @@ def test_sandwich_hand_computed():
     d2 = [0.0, -0.05746221176648253, -0.1770183545683928]
     expected = torch.tensor([[[d1[abs(i - j)] for j in range(3)] for i in range(3)],
                              [[d2[abs(i - j)] for j in range(3)] for i in range(3)]], dtype=torch.float64)
-    torch.testing.assert_close(bias, expected, **F64)
+    assert_close_scaled(bias, expected, rtol=F64)
 
 
 def test_sandwich_hand_computed_four_dims():
@@ -249,9 +249,8 @@ def test_sandwich_bias_is_shift_invariant_zero_on_diagonal_and_nonpositive(dim):
     pos = torch.arange(16)[None]
     base = bias_of(enc, pos)
     for shift in (1, 37, 1000):
-        torch.testing.assert_close(bias_of(enc, pos + shift), base, rtol=0, atol=1e-9)
-    torch.testing.assert_close(base.diagonal(dim1=-2, dim2=-1), torch.zeros(1, 2, 16, dtype=torch.float64),
-                               rtol=0, atol=1e-12)
+        assert_close_scaled(bias_of(enc, pos + shift), base, rtol=1e-9)
+    assert_close_scaled(base.diagonal(dim1=-2, dim2=-1), torch.zeros(1, 2, 16, dtype=torch.float64), rtol=F64)
     assert (base <= 1e-12).all()
 
 
@@ -304,7 +303,7 @@ def test_t5_unbucketed_matches_formula_and_never_indexes_past_the_table(causal):
         for qi, i in enumerate(pos[b].tolist()):
             for kj, j in enumerate(pos[b].tolist()):
                 row = max(-5, min(5, i - j)) + 5 if not causal else max(0, min(5, i - j))
-                torch.testing.assert_close(got[b, :, qi, kj], enc.table.weight[row].detach(), **F64)
+                assert_close_scaled(got[b, :, qi, kj], enc.table.weight[row].detach(), rtol=F64)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -313,7 +312,7 @@ def test_t5_unbucketed_is_shift_invariant(causal):
     torch.nn.init.normal_(enc.table.weight)
     pos = torch.arange(12)[None]
     for shift in (1, 37, 1000):
-        torch.testing.assert_close(bias_of(enc, pos + shift), bias_of(enc, pos), **F64)
+        assert_close_scaled(bias_of(enc, pos + shift), bias_of(enc, pos), rtol=F64)
 
 
 def test_t5_default_stays_bucketed():

@@ -18,7 +18,7 @@ from posbench.encodings import REGISTRY
 from posbench.encodings.base import ModelDims
 from posbench.encodings.self_extend import SelfExtend
 from posbench.model import ModelConfig, Transformer
-from tests.helpers import compose_cfg, make_encoding
+from tests.helpers import assert_close_scaled, compose_cfg, make_encoding
 
 HEADS, HEAD_DIM, TRAIN = 2, 16, 32
 
@@ -99,8 +99,7 @@ def test_attention_matches_the_naive_rule(group, window, layout, causal):
     for pos in (torch.arange(40)[None], torch.stack([torch.arange(40) + 7, torch.arange(40) * 2 + 100])):
         rq, rk = enc.qk(q, k, pos, pos, 0)
         got = EagerBackend().attend(rq, rk, v, AttentionCall(enc, pos, pos, 0, causal))
-        torch.testing.assert_close(got, naive_self_extend(q, k, v, pos, pos, group, window, causal, layout=layout),
-                                   rtol=0, atol=1e-10)
+        assert_close_scaled(got, naive_self_extend(q, k, v, pos, pos, group, window, causal, layout=layout), rtol=1e-10)
 
 
 def test_queries_after_a_memory_match_the_naive_rule():
@@ -111,7 +110,7 @@ def test_queries_after_a_memory_match_the_naive_rule():
     q_pos = k_pos[:, 30:]
     rq, rk = enc.qk(q, k, q_pos, k_pos, 0)
     got = EagerBackend().attend(rq, rk, v, AttentionCall(enc, q_pos, k_pos, 0, True))
-    torch.testing.assert_close(got, naive_self_extend(q, k, v, q_pos, k_pos, 4, 8, True), rtol=0, atol=1e-10)
+    assert_close_scaled(got, naive_self_extend(q, k, v, q_pos, k_pos, 4, 8, True), rtol=1e-10)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -127,7 +126,7 @@ def test_query_log_scale_matches_the_official_formula(scale_base, causal):
         rq, rk = query_key_hooks(q, k, call)
         got = EagerBackend().attend(rq, rk, v, call)
         expected = naive_self_extend(naive_log_scaled(q, pos, scale_base), k, v, pos, pos, 4, 6, causal)
-        torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+        assert_close_scaled(got, expected, rtol=1e-10)
 
 
 def test_query_log_scale_acts_only_while_extending_and_is_the_identity_when_off():
@@ -164,7 +163,7 @@ def test_far_keys_see_grouped_distances_and_near_keys_plain_rope():
     logits = enc.logit_transform(rq @ rk.transpose(-1, -2) / 4, rq, rk, AttentionCall(enc, q_pos, k_pos, 0, False))
     for column, distance in enumerate((15, 8, 7)):
         expected = naive_rotate(q, torch.tensor([[distance]]), 1e4, "half") @ k[:, :, column:column + 1].transpose(-1, -2)
-        torch.testing.assert_close(logits[..., column:column + 1], expected / 4, rtol=0, atol=1e-12)
+        assert_close_scaled(logits[..., column:column + 1], expected / 4, rtol=1e-12)
 
 
 def model_pair(causal: bool = True, **params) -> tuple[Transformer, Transformer]:
@@ -208,7 +207,7 @@ def test_chunked_evaluation_equals_one_pass(causal, scale_base):
         reference = model(ids, pos)
         for chunk in (1, 5, 69):
             model.set_eval_chunk(chunk)
-            torch.testing.assert_close(model(ids, pos), reference, rtol=0, atol=1e-12, msg=f"chunk {chunk}")
+            assert_close_scaled(model(ids, pos), reference, rtol=1e-12, name=f"chunk {chunk}")
         model.set_eval_chunk(None)
 
 
@@ -242,7 +241,7 @@ def test_a_composite_part_keeps_its_bias_on_far_keys():
     call = AttentionCall(composite, pos, pos, 0, True)
     got = composite.logit_transform(rq @ rk.transpose(-1, -2) / 4 + bias, rq, rk, call)
     expected = alone.logit_transform(rq @ rk.transpose(-1, -2) / 4, rq, rk, AttentionCall(alone, pos, pos, 0, True))
-    torch.testing.assert_close(got, expected + bias, rtol=0, atol=1e-12)
+    assert_close_scaled(got, expected + bias, rtol=1e-12)
 
 
 def test_window_defaults_to_a_quarter_of_the_training_positions_and_params_record_it():
