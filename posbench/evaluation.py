@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 from omegaconf import DictConfig
@@ -98,3 +99,24 @@ def sum_by_key(parts: list[dict[str, float]]) -> dict[str, float]:
         for key, value in part.items():
             totals[key] = totals.get(key, 0.0) + value
     return totals
+
+
+@contextmanager
+def evaluation_peaks():
+    """The PeakMemory of each stretch `evaluate` measures while open, in the order started: a length's row
+    holds its peak (`peak_mem_mb`), the PeakMemory its starting level (`base`), so the two give what the
+    length allocated (the memory guard's checks compare it with the estimate)."""
+    global PeakMemory
+    started: list[PeakMemory] = []
+    measuring = PeakMemory
+
+    class Recorded(measuring):
+        def start(self) -> None:
+            super().start()
+            started.append(self)
+
+    PeakMemory = Recorded
+    try:
+        yield started
+    finally:
+        PeakMemory = measuring

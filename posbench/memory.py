@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-from contextlib import contextmanager
 from pathlib import Path
 
 # kinds whose numbers are one stretch's own peak; the report compares only these
@@ -89,24 +88,3 @@ class PeakMemory:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-@contextmanager
-def evaluation_peaks():
-    """The PeakMemory of each stretch posbench.evaluation measures while open, in the order started: a
-    length's row holds its peak (`peak_mem_mb`), the PeakMemory its starting level (`base`), so the two give
-    what the length allocated (the memory guard's checks compare it with the estimate)."""
-    from posbench import evaluation
-
-    started: list[PeakMemory] = []
-
-    class Recorded(PeakMemory):
-        def start(self) -> None:
-            super().start()
-            started.append(self)
-
-    evaluation.PeakMemory = Recorded
-    try:
-        yield started
-    finally:
-        evaluation.PeakMemory = PeakMemory

@@ -72,7 +72,7 @@ def child(encoding: str, setting: str, mode: str, length: int) -> dict:
 
     from posbench import evaluation
     from posbench.build import build
-    from posbench.memory import PeakMemory, evaluation_peaks
+    from posbench.memory import PeakMemory
     from posbench.training import make_optimizer, train_step
 
     torch.set_num_threads(1)
@@ -93,7 +93,7 @@ def child(encoding: str, setting: str, mode: str, length: int) -> dict:
         measured = (memory.peak() - memory.base) * MIB
     else:
         built = build(cfg, cpu)
-        with evaluation_peaks() as started:
+        with evaluation.evaluation_peaks() as started:
             row = evaluation.evaluate(built, length, cfg.eval, cpu)
         memory = started[-1]
         measured = (row["peak_mem_mb"] - memory.base) * MIB

@@ -136,7 +136,6 @@ import json, sys
 import torch
 from posbench import evaluation, guard
 from posbench.build import build
-from posbench.memory import evaluation_peaks
 from tests.helpers import compose_cfg
 
 torch.set_num_threads(1)
@@ -144,7 +143,7 @@ overrides, length, batch = json.loads(sys.argv[1])
 cfg = compose_cfg("device=cpu", "train.steps=0", *overrides, f"eval.lengths=[{length}]", f"eval.samples={batch}",
                   f"eval.batch_size={batch}")
 built = build(cfg, torch.device("cpu"))
-with evaluation_peaks() as started:
+with evaluation.evaluation_peaks() as started:
     row = evaluation.evaluate(built, length, cfg.eval, torch.device("cpu"))
 print(json.dumps({"resettable": started[-1].resettable, "measured": (row["peak_mem_mb"] - started[-1].base) * 2**20,
                   "estimated": guard.estimate(cfg, built, length, batch).total}))
