@@ -318,12 +318,14 @@ def with_margin(available: float, where: str, remedy: str = RAISE_SETTING) -> Li
                  remedy)
 
 
-def memory_limit(cfg: DictConfig, device: torch.device | str = "cpu") -> Limit:
+def memory_limit(cfg: DictConfig, device: torch.device | str = "cpu", sharing: int = 1) -> Limit:
     """The smallest of what may be allocated: eval.memory_limit (MiB) when set, else what the device has
     available less a margin (the larger of MARGIN_FRACTION and MARGIN_LEAST): on CUDA the device's free
     memory, on CPU /proc/meminfo's MemAvailable (psutil where there is no /proc) and the cgroup's remaining
     allowance; on CPU also the process's own limits (RLIMIT_AS, RLIMIT_DATA), less a margin, which no
-    setting lifts. The limit's source names which one it was."""
+    setting lifts. The limit's source names which one it was. `sharing`: the processes that share the CPU
+    host's memory (a torchrun's ranks on it, posbench.guard.host_ranks), each taking its share of what the
+    host has; a GPU, a process limit and eval.memory_limit are one process's."""
     setting = cfg.eval.get("memory_limit") if "eval" in cfg else None
     device = torch.device(device)
     process = [with_margin(value, where, "raise the process's limit (ulimit) if more memory is there")
@@ -337,9 +339,10 @@ def memory_limit(cfg: DictConfig, device: torch.device | str = "cpu") -> Limit:
         free, _ = torch.cuda.mem_get_info(device)
         machine = [with_margin(float(free), f"free on {device}")]
     else:
-        machine = [with_margin(value, where) for value, where in ((_meminfo_available(), "MemAvailable"),
-                                                                 (_cgroup_available(), "the cgroup's memory.max"))
-                   if value is not None]
+        shared = f", shared by this host's {sharing} ranks" if sharing > 1 else ""
+        machine = [with_margin(value / sharing, where + shared)
+                   for value, where in ((_meminfo_available(), "MemAvailable"),
+                                        (_cgroup_available(), "the cgroup's memory.max")) if value is not None]
     found = machine + process
     if not found:
         return Limit(None, f"memory available unknown here; set {SETTING} (MiB) to check lengths")
@@ -586,13 +589,9 @@ def training_parts(cfg: DictConfig, built) -> list[Part]:
     ]
 
 
-def shared_limit(limit: Limit, device: torch.device | str) -> Limit:
-    """A CPU host's memory shared by the ranks torchrun started on it (LOCAL_WORLD_SIZE): each rank's share.
-    On CUDA each rank has a GPU of its own, and eval.memory_limit is already one process's."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if distributed.size() > 1 else 1
-    if local == 1 or limit.bytes is None or torch.device(device).type == "cuda" or limit.source.startswith(SETTING):
-        return limit
-    return Limit(limit.bytes / local, f"{limit.source}, shared by this host's {local} ranks", limit.remedy)
+def host_ranks() -> int:
+    """The processes torchrun started on this host (LOCAL_WORLD_SIZE): 1 outside a data-parallel run."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if distributed.size() > 1 else 1
 
 
 def check_training(cfg: DictConfig, built, device: torch.device | str = "cpu") -> list[Part]:
@@ -602,7 +601,7 @@ def check_training(cfg: DictConfig, built, device: torch.device | str = "cpu") -
     if not int(cfg.train.steps):
         return []
     parts = training_parts(cfg, built)
-    limit = shared_limit(memory_limit(cfg, device), device)
+    limit = memory_limit(cfg, device, host_ranks())
     total = sum(part.bytes for part in parts)
     if limit.bytes is None or total <= limit.bytes:
         return parts

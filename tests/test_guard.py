@@ -431,9 +431,15 @@ def test_a_data_parallel_rank_is_judged_on_its_rows_and_its_share_of_the_host(mo
     assert 0.2 * alone[activations] <= ranked[activations] <= 0.3 * alone[activations]
     assert ranked["the layers' weights with gradients and AdamW's state"] == \
         alone["the layers' weights with gradients and AdamW's state"]
-    limit = guard.Limit(8 * 2**30, "MemAvailable: 8.0 GiB less a margin")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 4 ranks, 2 on this host
-    shared = guard.shared_limit(limit, "cpu")
-    assert shared.bytes == limit.bytes / 2 and "shared by this host's 2 ranks" in shared.source
-    assert guard.shared_limit(limit, "cuda") is limit  # a GPU of its own
-    assert guard.shared_limit(guard.Limit(2**30, "eval.memory_limit=1024 MiB"), "cpu").bytes == 2**30  # one process's
+    assert guard.host_ranks() == 2
+    monkeypatch.setattr(guard, "_meminfo_available", lambda: 8 * 2**30)
+    monkeypatch.setattr(guard, "_cgroup_available", lambda: None)
+    monkeypatch.setattr(guard, "_rlimits_available", lambda: [(6 * 2**30, "RLIMIT_AS (ulimit -v)")])
+    shared = guard.memory_limit(cfg, "cpu", sharing=2)
+    assert shared.bytes == guard.with_margin(4 * 2**30, "").bytes and "shared by this host's 2 ranks" in shared.source
+    alone_limit = guard.memory_limit(cfg, "cpu")  # a process limit is one process's: never divided
+    assert alone_limit.bytes == guard.with_margin(6 * 2**30, "").bytes
+    with open_dict(cfg):
+        cfg.eval.memory_limit = 1024
+    assert guard.memory_limit(cfg, "cpu", sharing=2).bytes == 2**30  # one process's
