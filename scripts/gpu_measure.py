@@ -107,6 +107,8 @@ def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     token_counts = sorted(map(int, args.tokens.split(",")))
+    longest = sequence_task_length(token_counts[-1])
+    longest_batch = max(1, args.tokens_per_step // built_task_length(args.encoding, longest))
     for backend in args.backends.split(","):
         for mode in args.modes.split(","):
             rows = [{"encoding": args.encoding, "backend": backend, "mode": mode, "tokens": tokens,
@@ -115,8 +117,6 @@ def child(args: argparse.Namespace) -> None:
                 if time.time() > args.deadline:
                     raise TimeoutError
                 compile_mode = MODES[mode]
-                longest = sequence_task_length(token_counts[-1])
-                longest_batch = max(1, args.tokens_per_step // built_task_length(args.encoding, longest))
                 cfg = compose_cfg([f"encoding={args.encoding}", f"backend={backend}", "model=small",
                                    f"train.length={longest}", f"train.batch_size={longest_batch}",
                                    f"device={args.device}", f"train.compile={str(compile_mode).lower()}"])

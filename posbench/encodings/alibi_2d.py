@@ -3,7 +3,6 @@
 manhattan |dy| + |dx|. Relative in (dy, dx); not learned."""
 from __future__ import annotations
 
-
 from posbench.encodings.alibi import alibi_slopes
 from posbench.checks import Choice
 from posbench.encodings.base import Encoding, ModelDims, grid_offsets, require_grid

@@ -59,7 +59,8 @@ class Kerple(Encoding):
         return F.softplus(self.raw_r1), r2
 
     def extra_memory(self, layer: int, shape: LayerShape) -> float:
-        # training: the bias's autograd record, the distances and their powers or logarithms, and its gradient, beside the bias the guard counts
+        # training: the bias's autograd record, the distances and their powers or logarithms, and its
+        # gradient, beside the bias the guard counts
         if not shape.training or (self.bias_layers_shared and layer):
             return 0.0
         return shape.bias_bytes(4.5)
