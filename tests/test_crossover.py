@@ -45,6 +45,16 @@ def test_the_fastest_at_the_nearest_measured_length_among_the_backends_that_run_
     assert crossover.fastest(path, "t5", False, 33, ["sdpa", "eager"]) is None
 
 
+def test_the_rules_backend_stays_unless_another_is_measured_clearly_faster(tmp_path):
+    lead = crossover.MARGIN * 200.0
+    path = write_table(tmp_path / "t.csv", [("t5", "eager", "eager", 33, lead), ("t5", "sdpa", "eager", 33, 200.0),
+                                            ("t5", "eager", "eager", 257, lead + 1), ("t5", "sdpa", "eager", 257, 200.0)])
+    assert crossover.fastest(path, "t5", False, 33, ["sdpa", "eager"], rule="sdpa") == "sdpa"  # within the margin
+    assert crossover.fastest(path, "t5", False, 257, ["sdpa", "eager"], rule="sdpa") == "eager"  # past it
+    assert crossover.fastest(path, "t5", False, 33, ["sdpa", "eager"]) == "eager"  # no rule: the fastest
+    assert crossover.fastest(path, "t5", False, 33, ["sdpa", "eager"], rule="flex") == "eager"  # rule unmeasured
+
+
 def test_flex_runs_evaluation_only_on_the_cpu_and_never_inside_dynamic_shapes():
     alibi = make_encoding("alibi", d_model=32)
     assert runnable(alibi, "cpu", training=True, dynamic_compile=False, windowed=False) == ["eager", "sdpa"]

@@ -86,5 +86,5 @@ def measured_backend(name: str, encoding: Encoding, device, tokens: int, compile
     if path is None:
         return chosen
     fastest = crossover.fastest(path, encoding.name, compile_mode if training else False, tokens,
-                                runnable(encoding, device, training, dynamic_compile, windowed))
+                                runnable(encoding, device, training, dynamic_compile, windowed), chosen.name)
     return BACKENDS[fastest]() if fastest else chosen
