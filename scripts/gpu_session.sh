@@ -3,6 +3,7 @@
 # back under $OUT. The GPU machine has torch but not Hydra, and no network: carry the wheels, fetched here.
 #   here:   bash scripts/gpu_session.sh fetch       # the wheels into .whl/ (ignored through .git/info/exclude)
 #   there:  the device tool's run with carry [".whl"], timeout_s 590, command: bash scripts/gpu_session.sh run
+#           (GPU_PARTS, GPU_SESSION_S and the parts' GPU_*_S pick a shorter call's work)
 # Then copy $OUT's results_gpu_<device>_*.csv to results/gpu/<device>/ and commit them with the device's name;
 # rows of a later call join the committed ones (its own nope: a `call` column tells them apart), and the
 # folder's README says what each call ran.
@@ -35,18 +36,29 @@ run)
         (( budget > 10 )) || return 0
         timeout $(( budget + 30 )) python3 scripts/gpu_measure.py --budget-s "$budget" --out /tmp/gpu "$@" \
             2>&1 | tee -a "$OUT/measure.log"; keep; }
-    # the README's default job (GPU_JOB_MODES: eager was measured on an H100 on 2026-11-27, graphs not yet)
-    measure 170 --parts default_job --job-modes "${GPU_JOB_MODES:-graphs}"
-    # the CUDA checks of the data path, the compile modes and the launcher's pinning
-    timeout $(( $(left) < 130 ? $(left) : 130 )) python3 -m pytest -v -p no:randomly -n 8 -p no:cacheprovider \
-        tests/test_gpu_slots.py tests/test_cuda.py \
-        -k "cpu_runs_sequences or compiled_mode or records_device_memory or gpus_of_their_slots" \
-        2>&1 | tee "$OUT/tests.log"
-    # the issue's target encodings against nope, on every backend, eager then graph-captured (GPU_ENCODINGS:
-    # nope, alibi, sandwich, fox and t5 were measured eager on an H100 on 2026-11-27)
-    measure 190 --parts encodings --encodings "${GPU_ENCODINGS:-nope,fire,cope,dape,stick_breaking,kerple}"
-    # whatever is left: the sweep launcher on the frontier study's copy runs
-    measure $(( $(left) - 25 )) --parts sweep
+    # GPU_PARTS, in order (default: job tests encodings sweep; probe on request)
+    for part in ${GPU_PARTS:-job tests encodings sweep}; do
+        case "$part" in
+        job)  # the README's default job (GPU_JOB_MODES: eager and graphs were measured on an H100 on 2026-11-27)
+            measure "${GPU_JOB_S:-170}" --parts default_job --job-modes "${GPU_JOB_MODES:-graphs}" ;;
+        probe)  # where a graph-captured default job's time goes: each step timed, compile and replay apart
+            TORCH_LOGS="recompiles,perf_hints" timeout "${GPU_PROBE_S:-90}" python3 scripts/compile_probe.py \
+                --modes false,graphs --steps 400 --out "$OUT/compile_probe.csv" > "$OUT/compile_probe.log" 2>&1
+            tail -n 4 "$OUT/compile_probe.log" ;;
+        tests)  # the CUDA checks of the data path, the compile modes and the launcher's pinning
+            POSBENCH_FAILURE_LOG="$OUT/test_failures.log" timeout $(( $(left) < ${GPU_TESTS_S:-130} ? $(left) : ${GPU_TESTS_S:-130} )) \
+                python3 -m pytest -v -p no:randomly -n 8 -p no:cacheprovider tests/test_gpu_slots.py tests/test_cuda.py \
+                -k "cpu_runs_sequences or compiled_mode or records_device_memory or gpus_of_their_slots" \
+                2>&1 | tee "$OUT/tests.log" ;;
+        encodings)  # the issue's targets against nope, every backend, eager then graph-captured (GPU_ENCODINGS;
+            # nope, alibi, sandwich, fox and t5 were measured eager on an H100 on 2026-11-27; GPU_MEASURE_ARGS adds)
+            measure "${GPU_ENCODINGS_S:-190}" --parts encodings \
+                --encodings "${GPU_ENCODINGS:-nope,fire,cope,dape,stick_breaking,kerple}" ${GPU_MEASURE_ARGS:-} ;;
+        sweep)  # whatever is left: the sweep launcher on the frontier study's copy runs
+            measure $(( $(left) - 25 )) --parts sweep ;;
+        *) echo "GPU_PARTS: unknown part $part (job, probe, tests, encodings, sweep)" >&2 ;;
+        esac
+    done
     ;;
 *)
     echo "usage: bash scripts/gpu_session.sh fetch|run" >&2

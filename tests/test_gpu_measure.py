@@ -96,3 +96,12 @@ def test_an_encodings_process_past_its_time_is_stopped_and_its_rows_say_so(tmp_p
     assert [r["tokens"] for r in rows][-1] == "4096"  # the planned length, never measured
     assert rows[-1]["status"] == "not measured: its process stopped after 5 s"
     assert all(r["status"] in ("ok", rows[-1]["status"]) for r in rows)
+
+
+def test_a_step_is_timed_eight_times_or_for_half_a_second_and_once_where_it_is_slow():
+    spec = importlib.util.spec_from_file_location("gpu_measure", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert not module.timed_enough([0.01] * 7) and not module.timed_enough([0.01] * 8)  # 0.08 s: not yet
+    assert module.timed_enough([0.1] * 8) and module.timed_enough([0.001] * module.MOST_STEPS)
+    assert module.timed_enough([module.SLOW_STEP_S + 0.1])  # one step of a slow backend is its measurement

@@ -174,12 +174,17 @@ def test_auto_backend_follows_the_device():
     score_mod flex can differentiate, where heads have 16 features or more; eager for content terms; sdpa
     for a bias flex cannot express or train, and for heads of fewer features (flex's CUDA kernels refuse them)."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    for name, on_cpu, on_cuda in (("alibi", "sdpa", "flex"), ("kerple", "sdpa", "flex"), ("rope", "sdpa", "sdpa"),
+    for name, on_cpu, on_cuda in (("alibi", "sdpa", "flex"), ("kerple", "sdpa", "sdpa"), ("rope", "sdpa", "sdpa"),
                                   ("t5", "sdpa", "sdpa"),  # flex cannot train it
                                   ("fox", "sdpa", "flex"),
                                   ("shaw", "eager", "eager"), ("alibi_2d", "sdpa", "sdpa")):
         enc = make_encoding(name, d_model=32)  # heads of 16 features
         assert (get_backend("auto", enc, cpu).name, get_backend("auto", enc, cuda).name) == (on_cpu, on_cuda), name
+    kerple = make_encoding("kerple", d_model=32)  # flex trains it slowly (Encoding.flex_trains_slowly): sdpa to train
+    assert (get_backend("auto", kerple, cuda).name, get_backend("auto", kerple, cuda, training=False).name) == ("sdpa",
+                                                                                                              "flex")
+    composite = make_encoding("composite", parts=["rope", "kerple"], d_model=32)
+    assert get_backend("auto", composite, cuda).name == "sdpa" and "r1 and r2" in composite.flex_trains_slowly
     assert get_backend("auto", make_encoding("alibi", d_model=16), cuda).name == "sdpa"  # heads of 8
     assert get_backend("auto", make_encoding("alibi", d_model=32), cuda, dynamic_compile=True).name == "sdpa"  # in compile
 

@@ -17,14 +17,15 @@ BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (EagerBackend, Sd
 
 
 def get_backend(name: str, encoding: Encoding | None = None, device: torch.device | None = None,
-                dynamic_compile: bool = False) -> Backend:
+                dynamic_compile: bool = False, training: bool = True) -> Backend:
     """A backend by name; `auto` takes the fastest one that runs every hook the encoding needs on
     the device, for training and evaluation alike: on CUDA flex for a bias with a score_mod or a
     decay (SDPA would take a dense mask, or a head size the flash kernel refuses) where heads have
     at least 16 features (flex's CUDA kernels refuse fewer), flex can differentiate it
     (Encoding.flex_trains) and the model is not trained in a graph with dynamic shapes
     (`dynamic_compile`: flex is refused there; train.compile=static and graphs give it fixed shapes), flex's
-    limits (posbench.attention.flex.flex_refusal), else sdpa; on CPU sdpa (its fused kernel with the causal
+    limits (posbench.attention.flex.flex_refusal), and, for `training`, flex trains it at speed
+    (Encoding.flex_trains_slowly), else sdpa; on CPU sdpa (its fused kernel with the causal
     flag beat compiled flex 1.4-1.7x in evaluation at 4k tokens, and flex cannot train there); eager for hooks
     neither runs."""
     if name == "auto":
@@ -33,7 +34,8 @@ def get_backend(name: str, encoding: Encoding | None = None, device: torch.devic
         needed = set(encoding.hooks) - {"embed"}
         name = SDPA if needed <= SdpaBackend.supported_hooks else EAGER
         if (name == SDPA and needed & {"bias", "decay"} and on_cuda(device)
-                and flex_refusal(encoding, head_dim(encoding), True, True, dynamic_compile) is None):
+                and flex_refusal(encoding, head_dim(encoding), True, True, dynamic_compile) is None
+                and not (training and encoding.flex_trains_slowly)):
             try:
                 FlexBackend().check(encoding)
                 name = FLEX
@@ -77,7 +79,7 @@ def measured_backend(name: str, encoding: Encoding, device, tokens: int, compile
     table with the encoding in it (posbench.attention.crossover), else its rule (get_backend); a backend
     named outright is that backend. Evaluation runs uncompiled: compile_mode applies to training only."""
     dynamic_compile = training and compile_mode is True
-    chosen = get_backend(name, encoding, device, dynamic_compile=dynamic_compile)
+    chosen = get_backend(name, encoding, device, dynamic_compile=dynamic_compile, training=training)
     if chosen.name == FLEX:  # named outright (auto takes flex only where it runs): refused before training
         refusal = flex_refusal(encoding, head_dim(encoding), on_cuda(device), training, dynamic_compile)
         if refusal:

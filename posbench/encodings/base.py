@@ -105,6 +105,8 @@ class Encoding(nn.Module):
     # H200: a learned table looked up by bucket, an unrolled MLP, gate levels indexed per query and key);
     # auto then trains on sdpa. tests/test_cuda.py checks every encoding left True on a GPU.
     flex_trains: bool = True
+    # why backend=flex trains it slowly on CUDA, where it does; auto then trains on sdpa (and evaluates on flex)
+    flex_trains_slowly: str = ""
 
     def __init__(self, dims: ModelDims):
         super().__init__()

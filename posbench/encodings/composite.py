@@ -89,6 +89,7 @@ class Composite(Encoding):
         self.widens_query_key = any(part.widens_query_key for part in self.parts)
         self.bias_layers_shared = all(part.bias_layers_shared for part in self.parts_with("bias"))
         self.flex_trains = all(part.flex_trains for part in self.parts)
+        self.flex_trains_slowly = "; ".join(part.flex_trains_slowly for part in self.parts if part.flex_trains_slowly)
         self.position_dims = self.check_position_dims()
         self.check_single_owners()
         self.check_widened_query_key()

@@ -54,7 +54,10 @@ def piecewise_linear_mlp(mlp: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     slope = (on * w) @ out.weight.T  # [S, H]
     intercept = (on * b) @ out.weight.T + out.bias  # [S, H]
     segment = torch.searchsorted(breaks.contiguous(), x.detach().contiguous(), right=True)  # [...]
-    return slope[segment] * x[..., None] + intercept[segment]  # [..., H]
+    # read by gather, whose backward scatter-adds: indexing's sums each segment's repeats one by one on CUDA
+    # (an H100 trained fire at 0.03x nope's tokens/s at 1,025 tokens); on the CPU gather is faster too
+    at = segment.reshape(-1, 1).expand(-1, slope.shape[1])  # [N, H]
+    return (slope.gather(0, at) * x.reshape(-1, 1) + intercept.gather(0, at)).view(*x.shape, -1)  # [..., H]
 
 
 class FIRE(Encoding):
