@@ -260,6 +260,7 @@ def test_two_concurrent_jobs_run_on_the_gpus_of_their_slots(tmp_path):
     assert f"2 runs per GPU (set) x {gpus} GPU(s)" in output
     taken = {(int(slot), f"cuda:{gpu}") for slot, gpu in re.findall(r"GPU slot (\d+) of 2: cuda:(\d+)", output)}
     assert taken == {(slot, f"cuda:{gpu_of(slot, gpus)}") for slot in (0, 1)}  # both jobs at once, on their slots
-    devices = sorted(read_rows(sweep / run)[0]["device"] for run in RUNS)
+    runs = [f"{run},train.steps=1000" for run in RUNS]  # the run folders name every override Hydra does not exclude
+    devices = sorted(read_rows(sweep / run)[0]["device"] for run in runs)
     assert devices == sorted(f"cuda:{gpu_of(slot, gpus)}" for slot in (0, 1))
     assert sorted(p.name for p in (sweep / ".gpu_slots").iterdir()) == ["slot-0.lock", "slot-1.lock"]
