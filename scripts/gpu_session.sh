@@ -36,8 +36,8 @@ run)
         (( budget > 10 )) || return 0
         timeout $(( budget + 30 )) python3 scripts/gpu_measure.py --budget-s "$budget" --out /tmp/gpu "$@" \
             2>&1 | tee -a "$OUT/measure.log"; keep; }
-    # GPU_PARTS, in order (default: tests encodings sweep; job and probe on request: the default job was
-    # measured eager and graph-captured on an H100 on 2026-11-27)
+    # GPU_PARTS, in order (default: tests encodings sweep; job, probe and profile on request: the default job
+    # was measured eager and graph-captured on an H100 on 2026-11-27)
     for part in ${GPU_PARTS:-tests encodings sweep}; do
         case "$part" in
         job)  # the README's default job (GPU_JOB_MODES: eager and graphs were measured on an H100 on 2026-11-27)
@@ -46,6 +46,11 @@ run)
             TORCH_LOGS="recompiles,perf_hints" timeout "${GPU_PROBE_S:-90}" python3 scripts/compile_probe.py \
                 --modes false,graphs --steps 400 --out "$OUT/compile_probe.csv" > "$OUT/compile_probe.log" 2>&1
             tail -n 4 "$OUT/compile_probe.log" ;;
+        profile)  # where the slow rows' steps go (GPU_PROFILE: encoding:tokens ...), each within GPU_PROFILE_S
+            for target in ${GPU_PROFILE:-fire:4096 kerple:1024 t5:8192}; do
+                timeout "${GPU_PROFILE_S:-40}" python3 scripts/profile_step.py --encoding "${target%%:*}" \
+                    --tokens "${target##*:}" > "$OUT/profile_${target%%:*}_${target##*:}.txt" 2>&1
+            done ;;
         tests)  # the CUDA checks of the data path, the compile modes and the launcher's pinning
             POSBENCH_FAILURE_LOG="$OUT/test_failures.log" timeout $(( $(left) < ${GPU_TESTS_S:-130} ? $(left) : ${GPU_TESTS_S:-130} )) \
                 python3 -m pytest -v -p no:randomly -n 8 -p no:cacheprovider tests/test_gpu_slots.py tests/test_cuda.py \
@@ -58,7 +63,7 @@ run)
                 --encodings "${GPU_ENCODINGS:-nope,kerple,cope,dape,stick_breaking}" ${GPU_MEASURE_ARGS:-} ;;
         sweep)  # whatever is left: the sweep launcher on the frontier study's copy runs
             measure $(( $(left) - 25 )) --parts sweep ;;
-        *) echo "GPU_PARTS: unknown part $part (job, probe, tests, encodings, sweep)" >&2 ;;
+        *) echo "GPU_PARTS: unknown part $part (job, probe, profile, tests, encodings, sweep)" >&2 ;;
         esac
     done
     ;;

@@ -112,3 +112,24 @@ def test_block_views_are_timed_against_plain_slices(tmp_path):
     slices, views = float(row["slices_seconds_median"]), float(row["views_seconds_median"])
     assert slices > 0 and views > 0 and float(row["ratio_median"]) == pytest.approx(views / slices)
     assert table_rows(result.stdout)[0][:3] == ["cope", "eager", "131"]
+
+
+def test_profile_step_and_compile_probe_run_on_the_cpu(tmp_path):
+    """scripts/profile_step.py names the step it profiled and tables its ops; scripts/compile_probe.py times each
+    step of both modes and writes them (on the CPU graphs is the compiled graph alone)."""
+    profiled = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_step.py"), "--encoding", "fire",
+                               "--tokens", "32", "--tokens-per-step", "256", "--steps", "1", "--device", "cpu"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert profiled.returncode == 0, profiled.stderr[-2000:]
+    assert "fire on sdpa, train.compile=false, 33 tokens x 7 sequences, 1 steps on cpu" in profiled.stdout
+    assert "aten::searchsorted" in profiled.stdout or "aten::mm" in profiled.stdout  # ops of the step, tabled
+    probe = tmp_path / "probe.csv"
+    probed = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_probe.py"), "--modes", "false,true",
+                             "--steps", "6", "--out", str(probe), "debug=smoke", "device=cpu"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert probed.returncode == 0, probed.stderr[-2000:]
+    with probe.open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(r["mode"], r["step"]) for r in rows] == [(m, str(s)) for m in ("false", "true") for s in range(6)]
+    assert rows[0]["first_of_length"] == "True" and all(float(r["seconds"]) > 0 for r in rows)
+    assert [line.split()[0] for line in probed.stdout.splitlines()[1:]] == ["false", "true"]
