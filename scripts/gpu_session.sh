@@ -51,11 +51,14 @@ run)
                 timeout "${GPU_PROFILE_S:-40}" python3 scripts/profile_step.py --encoding "${target%%:*}" \
                     --tokens "${target##*:}" > "$OUT/profile_${target%%:*}_${target##*:}.txt" 2>&1
             done ;;
-        tests)  # the CUDA checks of the data path, the compile modes and the launcher's pinning
+        tests)  # the CUDA checks of the compile modes (never reached in 2026-11-27's calls: first now), the
+            # launcher's pinning, the data path and device memory; 8 workers (pyproject's addopts cap them at 4)
             POSBENCH_FAILURE_LOG="$OUT/test_failures.log" timeout $(( $(left) < ${GPU_TESTS_S:-130} ? $(left) : ${GPU_TESTS_S:-130} )) \
-                python3 -m pytest -v -p no:randomly -n 8 -p no:cacheprovider tests/test_gpu_slots.py tests/test_cuda.py \
-                -k "cpu_runs_sequences or compiled_mode or records_device_memory or gpus_of_their_slots" \
-                2>&1 | tee "$OUT/tests.log" ;;
+                python3 -m pytest -v -p no:randomly -n 8 --maxprocesses=8 -p no:cacheprovider \
+                tests/test_cuda.py::test_a_compiled_mode_trains_on_cuda_to_the_uncompiled_losses \
+                tests/test_gpu_slots.py::test_two_concurrent_jobs_run_on_the_gpus_of_their_slots \
+                tests/test_cuda.py::test_a_seeds_gpu_run_trains_and_evaluates_on_the_cpu_runs_sequences \
+                tests/test_cuda.py::test_a_run_on_cuda_records_device_memory 2>&1 | tee "$OUT/tests.log" ;;
         encodings)  # the issue's targets against nope, every backend, eager then graph-captured (GPU_ENCODINGS;
             # nope, alibi, sandwich, fox, t5 and fire were measured eager on an H100 on 2026-11-27, kerple on flex
             # only; GPU_MEASURE_ARGS adds)
