@@ -5,6 +5,8 @@ measured, so a crash loses nothing already written.
 """
 from __future__ import annotations
 
+import io
+
 import json
 import warnings
 from dataclasses import dataclass
@@ -332,8 +334,19 @@ def run_figure(rows: list[dict]):
     return fig
 
 
+def save_png(fig, path: str | Path, dpi: int = 120) -> None:
+    """The figure as a PNG of at most 256 colours (a third of matplotlib's RGBA bytes for the same picture: the
+    figures of results/reference/ are tracked, and a GPU call carries the tree)."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    image = Image.open(buffer).convert("RGB")
+    image.quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(path, optimize=True)
+
+
 def _save(fig, path: str | Path) -> None:
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
     _pyplot().close(fig)
 
 
@@ -395,8 +408,7 @@ def plot_curves(summary, path: str | Path, metric: str, threshold: float | None 
             ax.set_title(f"{task}, {size} parameters" if size else task)
     _figure_legend(fig, axes.flat, "line: mean over seeds\nband: min..max over seeds" if several_seeds
                    else "one seed per line")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_scaling(headline, path: str | Path) -> None:
@@ -563,8 +575,7 @@ def plot_ranking(ranking, path: str | Path) -> None:
     ax.set_xlabel("mean reciprocal rank of OOD score across tasks (1 = best on every task)")
     ax.tick_params(axis="y", labelsize=8)
     ax.grid(axis="x", alpha=0.3)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def _decorate(ax, metric: str, train_length, ratios) -> None:

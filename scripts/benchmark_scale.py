@@ -273,6 +273,8 @@ def figure(train_csvs: list[str], long_csv: str, out: str) -> None:
     import matplotlib.pyplot as plt
     import pandas as pd
 
+    from posbench.results import save_png
+
     train = pd.concat([pd.read_csv(path) for path in train_csvs]).drop_duplicates(["name", "tokens"], keep="last")
     train = train[~train["name"].str.startswith("x-transformers")]
     long = pd.read_csv(long_csv)
@@ -304,7 +306,7 @@ def figure(train_csvs: list[str], long_csv: str, out: str) -> None:
         ax.grid(alpha=0.3)
     axes[2].legend(fontsize=7, ncol=2)
     fig.suptitle("posbench at length (CPU, one thread)")
-    fig.savefig(out, dpi=110)
+    save_png(fig, out, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -64,3 +64,22 @@ def test_scaling_figure_has_a_panel_per_task_setting_and_a_colour_per_encoding()
         assert ax.get_legend_handles_labels()[1] == ["alibi", "nope"]
     colours = {tuple(ax.get_legend_handles_labels()[0][0].lines[0].get_color()) for ax in panels}
     assert len(colours) == 1  # alibi's line has one colour in all three panels
+
+
+def test_a_figure_is_saved_as_a_palette_png_of_the_same_picture(tmp_path):
+    """save_png: at most 256 colours, fewer bytes than matplotlib's RGBA PNG, the same size, and pixels within
+    a few levels of it (the quantised colours of anti-aliased edges)."""
+    import numpy as np
+    from PIL import Image
+
+    from posbench.results import save_png
+
+    fig = run_figure(run_rows([190, 180, 210, 260]))
+    full, small = tmp_path / "full.png", tmp_path / "small.png"
+    fig.savefig(full, dpi=120)
+    save_png(fig, small)
+    reference, saved = Image.open(full).convert("RGB"), Image.open(small)
+    assert saved.mode == "P" and saved.size == reference.size
+    assert small.stat().st_size < 0.6 * full.stat().st_size
+    difference = np.abs(np.asarray(saved.convert("RGB"), dtype=int) - np.asarray(reference, dtype=int))
+    assert np.mean(difference) < 1.0 and np.percentile(difference, 99.9) < 40
