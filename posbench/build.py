@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from posbench import gpu_slots
 from posbench.attention import crossover
 from posbench.attention.select import BACKENDS, measured_backend
+from posbench.capture import capture_refusal
 from posbench.checks import Choice
 from posbench.encodings import REGISTRY
 from posbench.encodings.base import Encoding, ModelDims
@@ -135,7 +136,10 @@ def plan_run(cfg: DictConfig, device: torch.device) -> Built:
     if cfg.backend.name == "auto" and crossover.table_path(device) is not None:
         eval_backends = {length: measured_backend("auto", encoding, device, task.sequence_length(length),
                                                   training=False, windowed=windowed).name for length in lengths}
-    if cfg.train.compile is not False and trains and device.type == "cpu" and os.environ.get("ATEN_CPU_CAPABILITY"):
+    if cfg.train.compile == "capture" and trains and (refusal := capture_refusal()):
+        raise ValueError(refusal)
+    if (cfg.train.compile not in (False, "capture") and trains and device.type == "cpu"
+            and os.environ.get("ATEN_CPU_CAPABILITY")):
         raise ValueError(f"train.compile={str(cfg.train.compile).lower()} on the CPU under ATEN_CPU_CAPABILITY="
                          f"{os.environ['ATEN_CPU_CAPABILITY']}: torch's inductor fails there (default: its C++ does not "
                          "compile; avx2 on an AVX-512 CPU: NaN at the first step); unset ATEN_CPU_CAPABILITY or set "

@@ -79,20 +79,21 @@ class Resume:
         return value
 
 
-COMPILE_MODES = (False, True, "static", "graphs")
+COMPILE_MODES = (False, True, "static", "graphs", "capture")
 
 
 class Compile:
-    """train.compile: false, true (one graph with dynamic shapes), static (one graph per shape), graphs."""
+    """train.compile: false, true (one graph with dynamic shapes), static (one graph per shape), graphs, capture."""
     type = object
 
     def text(self) -> str:
         return ("false | true (one graph, dynamic shapes) | static (a graph per shape; flex may train) | graphs "
-                "(each shape replayed as a CUDA graph; compiled only on the CPU)")
+                "(each shape replayed as a CUDA graph; compiled only on the CPU) | capture (the whole step, AdamW "
+                "included, recorded per shape as a CUDA graph without compiling; as it is on the CPU)")
 
     def __call__(self, key: str, value):
         if not isinstance(value, bool) and not (isinstance(value, str) and value in COMPILE_MODES):
-            refuse_choice(key, value, "false, true, static, graphs")
+            refuse_choice(key, value, "false, true, static, graphs, capture")
         return value
 
 

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from posbench import distributed, draws
 from posbench.build import Built, autocast, sync
+from posbench.capture import CapturedSteps
 from posbench.rundir import CHECKPOINT_FILE, Status, StopRequest, StopSignals, save_torch
 from tasks.base import Task
 
@@ -32,24 +33,28 @@ def learning_rate(step: int, cfg_train: DictConfig) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, cfg_train: DictConfig) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on biases, norms and the encoding's own parameters."""
+    """AdamW; no weight decay on biases, norms and the encoding's own parameters. Under train.compile=capture on
+    CUDA it is `capturable` (its step counts on the device, its learning rate a tensor: posbench.capture)."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("encoding")]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or n.startswith("encoding")]
+    capturable = cfg_train.get("compile") == "capture" and next(model.parameters()).is_cuda
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg_train.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg_train.lr, betas=(0.9, 0.98))
+                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg_train.lr, betas=(0.9, 0.98),
+                             capturable=capturable)
 
 
 def train_step(model, forward, task: Task, batch, positions: torch.Tensor, optimizer, cfg_train: DictConfig,
-               device: torch.device) -> tuple[torch.Tensor, dict]:
+               device: torch.device, static_gradients: bool = False) -> tuple[torch.Tensor, dict]:
     """One optimisation step (forward, loss, backward, clip, AdamW) -> (loss, the batch's metric sums).
     `forward` is the model or its compiled form; the runner and the benchmark both step with this.
     Data-parallel: `batch` is this rank's rows, `forward` the DDP model, and the loss this rank's share
-    of the global batch's mean (posbench.distributed.global_mean)."""
+    of the global batch's mean (posbench.distributed.global_mean). `static_gradients`: the gradients are
+    zeroed in place, not freed (a captured step reads and writes the same tensors: posbench.capture)."""
     with autocast(device, cfg_train.precision):
         logits = forward(batch.inputs, positions)  # [B, T, V]
     sums = task.batch_sums(logits.float(), batch)
     loss = distributed.global_mean(sums["loss_sum"], sums["tokens"])
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=not static_gradients)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg_train.grad_clip)
     optimizer.step()
@@ -62,7 +67,7 @@ def compiled(model: torch.nn.Module, mode, device: torch.device, flex: bool = Fa
     fixed sizes), or graphs: each shape recorded once as a CUDA graph and replayed (on CUDA: the launches
     of a small model's hundreds of kernels become one), from one dynamic graph, or a graph per shape when
     the model attends with `flex`; on the CPU the graph alone."""
-    if mode is False:
+    if mode is False or mode == "capture":  # capture records the uncompiled step (posbench.capture)
         return model
     static = mode == "static" or mode == "graphs" and flex
     if static:
@@ -147,6 +152,10 @@ def train(built: Built, cfg: DictConfig, device: torch.device, logger, checkpoin
         optimizer.load_state_dict(resume["optimizer"])
         set_rng_state(resume["rng"], generators)
         progress = TrainProgress(**{"data_digest": None, **resume["progress"]})  # older checkpoints: unknown
+    captured = None
+    if cfg_train.compile == "capture":
+        captured = CapturedSteps(model, optimizer, lambda batch, positions: train_step(
+            model, forward, task, batch, positions, optimizer, cfg_train, device, static_gradients=True), device)
     fingerprint = draws.DataFingerprint(progress.data_digest) if progress.data_digest is not None else None
     checkpoint_every = int(cfg_train.get("checkpoint_every") or 0)
     segment_start = time.perf_counter()
@@ -185,8 +194,11 @@ def train(built: Built, cfg: DictConfig, device: torch.device, logger, checkpoin
             if cfg_train.lengths == "uniform":
                 length = int(torch.randint(1, built.train_length + 1, (1,), generator=generators["length"]))
             batch = task.train_sample(cfg_train.batch_size, length, built.train_length, generators["data"])
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(step, cfg_train)
+            if captured is not None:
+                captured.set_lr(learning_rate(step, cfg_train))
+            else:
+                for group in optimizer.param_groups:
+                    group["lr"] = learning_rate(step, cfg_train)
             built.encoding.set_train_step(step, cfg_train.steps)
             positions = built.positions.for_batch(batch, generators["data"])  # [1, T] or [1, T, 2]
             if fingerprint is not None:
@@ -194,8 +206,11 @@ def train(built: Built, cfg: DictConfig, device: torch.device, logger, checkpoin
                 progress.data_digest = fingerprint.digest
             batch, positions = draws.to_device(batch, device), draws.move(positions, device)
             begin_step(cfg_train.compile, device)
-            _, sums = train_step(model, forward, task, distributed.shard(batch), positions, optimizer, cfg_train,
-                                 device)
+            if captured is not None:
+                _, sums = captured(batch, positions, built.encoding.train_phase())
+            else:
+                _, sums = train_step(model, forward, task, distributed.shard(batch), positions, optimizer, cfg_train,
+                                     device)
             if timer_start is not None:
                 progress.timed_tokens += batch.inputs.numel()  # the global batch: the tokens/s of every rank
             progress.step = step + 1

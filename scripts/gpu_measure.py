@@ -2,13 +2,14 @@
 results/gpu/<device name>/ for docs/performance.md to read (scripts/docs_tables.py).
 
     python scripts/gpu_measure.py [--budget-s 460] [--parts encodings,default_job,sweep]
-        [--encodings nope,alibi,...] [--tokens 32,256,1024,4096] [--modes eager,graphs]
-        [--device auto] [--out results/gpu] [--job-modes eager,graphs] [--sweep-launcher OVERRIDE ...]
+        [--encodings nope,alibi,...] [--tokens 32,256,1024,4096] [--modes eager,capture,graphs]
+        [--device auto] [--out results/gpu] [--job-modes eager,capture,graphs] [--sweep-launcher OVERRIDE ...]
 
 - encodings.csv: `encoding, backend, mode, tokens, tokens_per_s, vs_nope` (and auto, batch_size, status) for
   every 1-D encoding on the backend `auto` gives it (auto true), and for those with a bias or a decay (where
   the backend is a choice) on sdpa, flex and eager besides, in each training mode of --modes (train.compile:
-  eager, and graphs by default, the compiled mode with CUDA graphs), at about 32, 256, 1,024 and 4,096 tokens
+  eager, capture and graphs by default: the whole step as a CUDA graph, and the compiled model's), at about 32,
+  256, 1,024 and 4,096 tokens
   (8,192 too with a bias or a decay). A backend that cannot train the encoding here is a row with its refusal
   as status. A step is posbench.training.train_step on the copy task at model=small, with about
   TOKENS_PER_STEP tokens a batch, of one model per backend and mode built for the longest length (a compiled
@@ -17,7 +18,7 @@ results/gpu/<device name>/ for docs/performance.md to read (scripts/docs_tables.
   vs_nope divides by nope on its own auto backend at the same tokens and mode, measured in this run. One child process per encoding.
 - default_job.csv: `device, wall_s, train_s, exact_match_at_n, data_fingerprint` of the README's default
   job (`python -m posbench encoding=rope task=copy`) on this device, as it is (compile eager) and with
-  train.compile=graphs (--job-modes), with its training steps and tokens per second.
+  train.compile=capture and graphs (--job-modes), with its training steps and tokens per second.
 - sweep.csv: `runs, wall_min, runs_per_hour, concurrent` of the frontier study's copy runs of seed 0 (the
   part one call can hold) through the sweep launcher (hydra/launcher=gpus, n_jobs = concurrent), a row per
   concurrency measured (a later call at another one adds its row); `extrapolated_study_min` scales it to the
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import os
 import signal
@@ -103,6 +105,7 @@ def child(args: argparse.Namespace) -> None:
 
     from posbench import draws
     from posbench.build import build, resolve_device, sync
+    from posbench.capture import CapturedSteps
     from posbench.training import begin_step, compiled, make_optimizer, train_step
 
     torch.set_num_threads(args.threads)
@@ -125,6 +128,10 @@ def child(args: argparse.Namespace) -> None:
                 model, task = built.model.train(), built.task
                 optimizer = make_optimizer(model, cfg.train)
                 forward = compiled(model, compile_mode, device, flex=built.backend == "flex")
+                train_one = functools.partial(train_step, model, forward, task, optimizer=optimizer, cfg_train=cfg.train,
+                                         device=device, static_gradients=compile_mode == "capture")
+                if compile_mode == "capture":  # a CUDA graph of the whole step per length (posbench.capture)
+                    train_one = CapturedSteps(model, optimizer, train_one, device)
                 generator = draws.generator(0)
             except Exception as err:  # a backend that refuses the encoding, or no budget left: every length
                 for row in rows:
@@ -149,7 +156,7 @@ def child(args: argparse.Namespace) -> None:
                         sync(device)
                         start = time.perf_counter()
                         begin_step(compile_mode, device)
-                        train_step(model, forward, task, batch, positions, optimizer, cfg.train, device)
+                        train_one(batch, positions)
                         sync(device)
                         if step >= WARMUP_STEPS:
                             seconds.append(time.perf_counter() - start)
@@ -161,7 +168,7 @@ def child(args: argparse.Namespace) -> None:
                 except Exception as err:  # a compile failure, memory: recorded
                     row |= {"status": failure(err)}
                 print(RESULT_MARK + json.dumps(row), flush=True)
-            del model, optimizer, forward, built
+            del model, optimizer, forward, built, train_one
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
@@ -362,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget-s", type=float, default=460.0, help="seconds for all parts together")
     parser.add_argument("--encodings", default="", help="comma-separated; default: every 1-D encoding")
     parser.add_argument("--tokens", default="", help="a subset of 32,256,1024,4096,8192")
-    parser.add_argument("--modes", default="eager,graphs", help=f"of {','.join(MODES)} (train.compile)")
+    parser.add_argument("--modes", default="eager,capture,graphs", help=f"of {','.join(MODES)} (train.compile)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--child-s", type=float, default=120.0, help="at most this long for one encoding's process")
@@ -371,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep-launcher", nargs="*", default=["hydra/launcher=gpus", "hydra.launcher.n_jobs=13"],
                         help="the sweep's launcher overrides (default: the GPU-filling launcher, all 13 runs at once)")
     parser.add_argument("--job-overrides", nargs="*", default=[], help="overrides added to the default job")
-    parser.add_argument("--job-modes", default="eager,graphs", help="the default job in these modes (train.compile)")
+    parser.add_argument("--job-modes", default="eager,capture,graphs", help="the default job in these modes (train.compile)")
     parser.add_argument("--sweep-overrides", nargs="*", default=[], help="overrides added to the sweep")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--encoding", help=argparse.SUPPRESS)

@@ -44,7 +44,7 @@ def test_an_unknown_compile_mode_is_refused_naming_the_modes(value, tmp_path):
     result = posbench("debug=smoke", f"train.compile={value}", f"hydra.run.dir={tmp_path}", check=False)
     assert result.returncode != 0
     assert "train.compile" in result.stderr + result.stdout
-    assert "false, true, static, graphs" in result.stderr + result.stdout
+    assert "false, true, static, graphs, capture" in result.stderr + result.stdout
 
 
 def test_compiling_on_the_cpu_under_a_forced_aten_capability_is_refused(tmp_path):

@@ -61,7 +61,7 @@ BAD = [  # overrides -> the start of the message (the key and the value as given
     (["train.weight_decay=-0.1"], "train.weight_decay=-0.1: must be >= 0"),
     (["train.length=0"], "train.length=0: must be >= 1"),
     (["train.length=n"], "train.length='n': must be an integer >= 1"),
-    (["train.compile=sometimes"], "train.compile='sometimes' is not valid; choose one of false, true, static, graphs"),
+    (["train.compile=sometimes"], "train.compile='sometimes' is not valid; choose one of false, true, static, graphs, capture"),
     (["train.save_checkpoint=1"], "train.save_checkpoint=1: must be true or false"),
     (["train.lengths=sometimes"], "train.lengths='sometimes' is not valid; choose one of ['uniform', 'fixed']"),
     (["train.precision=fp16"], "train.precision='fp16' is not valid; choose one of ['fp32', 'bf16']"),

@@ -144,6 +144,11 @@ class Encoding(nn.Module):
         place for training-phase switches (drope drops its rotation). A switch is a Python attribute, which a
         compiled forward guards on (one recompile). Default: nothing changes."""
 
+    def train_phase(self) -> tuple:
+        """The training-phase switches set_train_step has set, as a value: train.compile=capture records a graph
+        per phase (a switch is Python, which a recorded graph does not read). Default: none."""
+        return ()
+
     def logit_scale(self, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
 

@@ -178,6 +178,9 @@ class Composite(Encoding):
         for part in self.parts:
             part.set_train_step(step, total)
 
+    def train_phase(self) -> tuple:
+        return tuple(part.train_phase() for part in self.parts)
+
     def set_eval_length(self, train_positions: int, eval_positions: int) -> None:
         for part in self.parts:
             part.set_eval_length(train_positions, eval_positions)

@@ -62,6 +62,9 @@ class DroPE(Encoding):
     def set_train_step(self, step: int, total: int) -> None:
         self.dropped = step >= self.drop_step(total)
 
+    def train_phase(self) -> tuple:
+        return (self.dropped,)
+
     def set_eval_length(self, train_positions: int, eval_positions: int) -> None:
         self.dropped = True
 

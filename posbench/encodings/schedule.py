@@ -85,6 +85,9 @@ class Schedule(Encoding):
         for enc in self.entries.values():
             enc.set_train_step(step, total)
 
+    def train_phase(self) -> tuple:
+        return tuple(enc.train_phase() for enc in self.entries.values())
+
     def set_eval_length(self, train_positions: int, eval_positions: int) -> None:
         for enc in self.entries.values():
             enc.set_eval_length(train_positions, eval_positions)

@@ -1,0 +1,131 @@
+"""train.compile=capture: the whole training step (forward, loss, backward, gradient clipping, AdamW) recorded
+once per shape as a CUDA graph and replayed, without torch.compile. A small model's step is hundreds of
+kernel launches and a few milliseconds of Python; a replay is one launch. Nothing is compiled, so a run
+starts training at once (the graph-captured compile mode, train.compile=graphs, spent 91 s compiling the
+default job on an H100 before its first step).
+
+Each shape (the batch's tensors and the positions) and each training phase of the encoding
+(Encoding.train_phase: drope's drop) gets its own graph. A graph reads its inputs from static buffers the
+batch is copied into, and writes the loss and metric sums to static outputs, overwritten by the next replay.
+Before a shape's capture, WARMUP_STEPS steps run on a side stream (CUDA's requirement) and the parameters,
+gradients and optimizer state are then put back as they were, so the run trains on exactly the steps it
+draws. The learning rate is a tensor the graphs read (AdamW's `capturable`), set before each replay.
+
+On the CPU there is no graph: the same static buffers, warm-up and restore, then the step run as it is, so
+CI tests everything but the capture itself. A step that reads a value back to the host (an encoding's
+.item(), a data-dependent shape) cannot be captured: the capture's error is raised with the mode named.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from posbench import distributed
+
+WARMUP_STEPS = 3  # steps run before each capture (on CUDA, on a side stream), then undone
+
+
+def capture_refusal() -> str | None:
+    """Why train.compile=capture cannot train here, or None."""
+    if distributed.size() > 1:
+        return ("train.compile=capture trains one process (its graph would hold DDP's gradient all-reduce); "
+                "use train.compile=false or graphs under torchrun")
+    return None
+
+
+def _state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's tensors of state (moments and step counts), in a fixed order."""
+    return [value for group in optimizer.param_groups for p in group["params"]
+            for value in optimizer.state.get(p, {}).values() if isinstance(value, torch.Tensor)]
+
+
+class CapturedSteps:
+    """One training step per call, on a graph per (shape, training phase); see the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step_fn, device: torch.device):
+        self.model, self.optimizer, self.step_fn, self.device = model, optimizer, step_fn, device
+        self.cuda = device.type == "cuda"
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.lr = None
+        if self.cuda:  # the graphs read the learning rate from this tensor (AdamW with capturable=True)
+            self.lr = torch.tensor(float(optimizer.param_groups[0]["lr"]), device=device)
+            for group in optimizer.param_groups:
+                group["lr"] = self.lr
+        self.graphs: dict[tuple, tuple] = {}  # key -> (graph or None, static batch, static positions, outputs)
+
+    def set_lr(self, lr: float) -> None:
+        if self.lr is not None:
+            self.lr.fill_(lr)
+        else:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+
+    def __call__(self, batch, positions: torch.Tensor, phase=()) -> tuple[torch.Tensor, dict]:
+        tensors = [f.name for f in dataclasses.fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)]
+        key = (tuple((name, tuple(getattr(batch, name).shape), getattr(batch, name).dtype) for name in tensors),
+               tuple(repr(getattr(batch, f.name)) for f in dataclasses.fields(batch) if f.name not in tensors),
+               tuple(positions.shape), phase)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(batch, positions)
+        graph, static_batch, static_positions, outputs = self.graphs[key]
+        for name in tensors:
+            getattr(static_batch, name).copy_(getattr(batch, name), non_blocking=True)
+        static_positions.copy_(positions, non_blocking=True)
+        if graph is None:  # the CPU: the step itself, on the static buffers
+            return self.step_fn(static_batch, static_positions)
+        graph.replay()
+        return outputs
+
+    def _capture(self, batch, positions):
+        static_batch = dataclasses.replace(batch, **{
+            f.name: getattr(batch, f.name).clone() for f in dataclasses.fields(batch)
+            if isinstance(getattr(batch, f.name), torch.Tensor)})
+        static_positions = positions.clone()
+        saved = self._save()
+        stream = torch.cuda.Stream(self.device) if self.cuda else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for _ in range(WARMUP_STEPS):
+                self.step_fn(static_batch, static_positions)
+        if stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._restore(saved)
+        if not self.cuda:
+            return None, static_batch, static_positions, None
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                outputs = self.step_fn(static_batch, static_positions)
+        except RuntimeError as err:
+            raise RuntimeError(f"train.compile=capture could not record the training step as a CUDA graph ({err}); "
+                               "a step that reads a value back to the host cannot be captured: use "
+                               "train.compile=graphs or false") from err
+        return graph, static_batch, static_positions, outputs
+
+    def _save(self) -> list[torch.Tensor]:
+        """Copies of what a warm-up step changes: the parameters, their gradients and the optimizer state. The
+        gradients and the state are created first where they are missing, as zeros (a fresh AdamW's state:
+        moments and step counts 0), so that every graph reads and writes the same tensors."""
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            if not _state(self.optimizer):
+                weights = [p.detach().clone() for p in self.params]
+                self.optimizer.step()  # creates the state (and applies weight decay: undone below)
+                for tensor in _state(self.optimizer):
+                    tensor.zero_()
+                for p, weight in zip(self.params, weights):
+                    p.copy_(weight)
+        return [t.detach().clone() for t in self._tensors()]
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [*self.params, *(p.grad for p in self.params), *_state(self.optimizer)]
+
+    def _restore(self, saved: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for tensor, copy in zip(self._tensors(), saved, strict=True):
+                tensor.copy_(copy)

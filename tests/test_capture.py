@@ -1,0 +1,73 @@
+"""train.compile=capture (posbench/capture.py) on the CPU, where it runs without a graph: the static buffers,
+the warm-up that is undone and the graph per shape and phase, against the uncompiled run's exact losses.
+The capture itself runs on CUDA only (tests/test_cuda.py)."""
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from posbench import distributed
+from posbench.build import build
+from posbench.capture import WARMUP_STEPS, CapturedSteps
+from posbench.training import make_optimizer, train_step
+from tests.helpers import compose_cfg, posbench, read_rows
+
+
+@pytest.mark.parametrize("encoding", ["rope", "drope"])
+def test_a_captured_run_trains_to_the_uncompiled_runs_exact_losses_on_the_cpu(encoding, tmp_path):
+    """Uniform lengths: a buffer set per length; drope drops at half the steps: another set per phase."""
+    common = ["debug=smoke", "device=cpu", f"encoding={encoding}", "train.steps=30", "eval.ratios=[1,2]",
+              *(["encoding.drop_at=0.5"] if encoding == "drope" else [])]
+    rows = {}
+    for mode in ("false", "capture"):
+        posbench(*common, f"train.compile={mode}", f"hydra.run.dir={tmp_path / mode}")
+        rows[mode] = read_rows(tmp_path / mode)
+    assert [r["loss"] for r in rows["capture"]] == [r["loss"] for r in rows["false"]]  # the same float ops
+    assert [r["data_fingerprint"] for r in rows["capture"]] == [r["data_fingerprint"] for r in rows["false"]]
+
+
+def built_copy_model():
+    cfg = compose_cfg("debug=smoke", "device=cpu", "train.compile=capture")
+    built = build(cfg, torch.device("cpu"))
+    return cfg, built
+
+
+def test_the_warm_up_before_a_new_shape_is_undone_and_each_shape_and_phase_has_its_buffers():
+    cfg, built = built_copy_model()
+    model, task = built.model.train(), built.task
+    optimizer = make_optimizer(model, cfg.train)
+    calls = []
+
+    def step(batch, positions):
+        calls.append(tuple(batch.inputs.shape))
+        return train_step(model, model, task, batch, positions, optimizer, cfg.train, torch.device("cpu"),
+                          static_gradients=True)
+
+    captured = CapturedSteps(model, optimizer, step, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    batch = task.train_sample(4, 5, built.train_length, generator)
+    positions = torch.arange(batch.inputs.shape[1])[None]
+    reference = copy.deepcopy(model)
+    reference_optimizer = make_optimizer(reference, cfg.train)
+    loss, _ = captured(batch, positions)
+    want, _ = train_step(reference, reference, task, batch, positions, reference_optimizer, cfg.train,
+                         torch.device("cpu"))
+    assert len(calls) == WARMUP_STEPS + 1 and loss.item() == want.item()  # the warm-up left no trace
+    for got, expected in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(got, expected)
+    captured(task.train_sample(4, 5, built.train_length, generator), positions)  # the same shape: no warm-up
+    assert len(calls) == WARMUP_STEPS + 2 and len(captured.graphs) == 1
+    captured(batch, positions, phase=(True,))  # another phase: its own buffers, warmed up again
+    longer = task.train_sample(4, 7, built.train_length, generator)
+    captured(longer, torch.arange(longer.inputs.shape[1])[None])
+    assert len(captured.graphs) == 3 and len(calls) == 3 * WARMUP_STEPS + 4
+
+
+def test_capture_is_refused_under_torchrun(monkeypatch):
+    monkeypatch.setattr(distributed, "size", lambda: 2)
+    cfg = compose_cfg("debug=smoke", "device=cpu", "train.compile=capture")
+    with pytest.raises(ValueError, match="train.compile=capture trains one process"):
+        build(cfg, torch.device("cpu"))
+    OmegaConf.update(cfg, "train.compile", False)
+    build(cfg, torch.device("cpu"))  # the uncaptured run is not refused
