@@ -136,7 +136,7 @@ def plan_run(cfg: DictConfig, device: torch.device) -> Built:
     if cfg.backend.name == "auto" and crossover.table_path(device) is not None:
         eval_backends = {length: measured_backend("auto", encoding, device, task.sequence_length(length),
                                                   training=False, windowed=windowed).name for length in lengths}
-    if cfg.train.compile == "capture" and trains and (refusal := capture_refusal()):
+    if cfg.train.compile == "capture" and trains and (refusal := capture_refusal(train_length, cfg.train.lengths)):
         raise ValueError(refusal)
     if (cfg.train.compile not in (False, "capture") and trains and device.type == "cpu"
             and os.environ.get("ATEN_CPU_CAPABILITY")):

@@ -25,13 +25,18 @@ import torch
 from posbench import distributed
 
 WARMUP_STEPS = 3  # steps run before each capture (on CUDA, on a side stream), then undone
+MOST_GRAPHS = 64  # graphs one run may record (each holds its own activation memory)
+TOO_MANY = (f"train.compile=capture records a graph per training shape, at most {MOST_GRAPHS}"
+            " (train.lengths=uniform draws train.length shapes); use train.lengths=fixed or train.compile=graphs")
 
 
-def capture_refusal() -> str | None:
+def capture_refusal(train_length: int, lengths: str) -> str | None:
     """Why train.compile=capture cannot train here, or None."""
     if distributed.size() > 1:
         return ("train.compile=capture trains one process (its graph would hold DDP's gradient all-reduce); "
                 "use train.compile=false or graphs under torchrun")
+    if lengths == "uniform" and train_length > MOST_GRAPHS:
+        return f"{TOO_MANY}; here train.length={train_length}"
     return None
 
 
@@ -68,6 +73,8 @@ class CapturedSteps:
                tuple(repr(getattr(batch, f.name)) for f in dataclasses.fields(batch) if f.name not in tensors),
                tuple(positions.shape), phase)
         if key not in self.graphs:
+            if len(self.graphs) == MOST_GRAPHS:
+                raise RuntimeError(f"{TOO_MANY}; this run drew a {MOST_GRAPHS + 1}th")
             self.graphs[key] = self._capture(batch, positions)
         graph, static_batch, static_positions, outputs = self.graphs[key]
         for name in tensors:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from posbench import distributed
+from posbench import capture, distributed
 from posbench.build import build
 from posbench.capture import WARMUP_STEPS, CapturedSteps
 from posbench.training import make_optimizer, train_step
@@ -33,7 +33,7 @@ def built_copy_model():
     return cfg, built
 
 
-def test_the_warm_up_before_a_new_shape_is_undone_and_each_shape_and_phase_has_its_buffers():
+def test_the_warm_up_before_a_new_shape_is_undone_and_each_shape_and_phase_has_its_buffers(monkeypatch):
     cfg, built = built_copy_model()
     model, task = built.model.train(), built.task
     optimizer = make_optimizer(model, cfg.train)
@@ -62,6 +62,17 @@ def test_the_warm_up_before_a_new_shape_is_undone_and_each_shape_and_phase_has_i
     longer = task.train_sample(4, 7, built.train_length, generator)
     captured(longer, torch.arange(longer.inputs.shape[1])[None])
     assert len(captured.graphs) == 3 and len(calls) == 3 * WARMUP_STEPS + 4
+    monkeypatch.setattr(capture, "MOST_GRAPHS", 3)
+    longest = task.train_sample(4, 9, built.train_length, generator)
+    with pytest.raises(RuntimeError, match="at most .* this run drew a 4th"):
+        captured(longest, torch.arange(longest.inputs.shape[1])[None])
+
+
+def test_capture_refuses_more_training_shapes_than_it_keeps_graphs():
+    with pytest.raises(ValueError, match="at most 64 .* here train.length=65"):
+        build(compose_cfg("debug=smoke", "device=cpu", "train.compile=capture", "train.length=65"), torch.device("cpu"))
+    build(compose_cfg("debug=smoke", "device=cpu", "train.compile=capture", "train.length=65", "train.lengths=fixed"),
+          torch.device("cpu"))  # one shape
 
 
 def test_capture_is_refused_under_torchrun(monkeypatch):
