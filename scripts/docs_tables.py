@@ -561,6 +561,10 @@ FRONTIER_CLAIMS = (
           "wikitext", ("rope", "alibi"), (1, math.inf)),
     Claim("cable", "trained at 512, lower perplexity at 1024-8192 than sinusoidal, ALiBi and FoX (334M, FineWeb-Edu)",
           "wikitext", ("alibi", "fox"), (1, math.inf)),
+    Claim("tape", "passkey retrieval past the training length above RoPE, FIRE and ALiBi (Llama-2-7B fine-tuned, "
+          "a figure)", "passkey", ("rope", "fire", "alibi"), (1, math.inf)),
+    Claim("string", "a longer effective context than RoPE's, training-free (Llama-3.1-70B: RULER's needles at "
+          "128k)", "passkey", ("rope",), (1, math.inf)),
 )
 
 
@@ -630,9 +634,10 @@ FRONTIER_2025 = ("grape_m", "grape_a", "grape_ap", "pope", "fope", "scale_invari
 FRONTIER_2025_BASELINES = ("rope", "alibi", "nope", "fox")
 
 
-def frontier_2025(task: str, ratios: tuple[int, ...] = (1, 2, 4), past: int = 2) -> str:
-    """docs/studies.md: the 2025-26 methods on one frontier task beside rope, alibi, nope and fox: the metric at
-    each ratio of N and its mean over (N, past N], each the mean over seeds with their range."""
+def frontier_2025(task: str, ratios: tuple[int, ...] = (1, 2, 4), past: int = 2,
+                  baselines: tuple[str, ...] = FRONTIER_2025_BASELINES) -> str:
+    """docs/studies.md: the 2025-26 methods on one frontier task beside their baselines (rope, alibi, nope and
+    fox): the metric at each ratio of N and its mean over (N, past N], each the mean over seeds with their range."""
     s = study("frontier")
     key = frontier_key(task)
     records = headline_by(s, key)
@@ -642,7 +647,7 @@ def frontier_2025(task: str, ratios: tuple[int, ...] = (1, 2, 4), past: int = 2)
     near = run_window_mean(s, metric, 1, past, key)
     rows = [[f"`{m}`", str(near[m]["n"]), "not learned" if report.not_learned(records[m]) else "yes",
              *(ranged(at[r][m], digits) if m in at[r] else "–" for r in ratios), ranged(near[m], digits)]
-            for m in (*FRONTIER_2025_BASELINES, *FRONTIER_2025) if m in near]
+            for m in (*baselines, *FRONTIER_2025) if m in near]
     header = ["method", "seeds", "learned at N", f"{metric} at N", *(f"at {r}N" for r in ratios[1:]),
               f"(N, {past}N]"]
     return table(header, rows, ["---", "---:", "---"] + ["---:"] * (len(ratios) + 1))
@@ -671,6 +676,10 @@ def frontier_2025_flip_flop_sparse() -> str:
 
 def frontier_2025_wikitext() -> str:
     return frontier_2025("wikitext", (1, 2, 4, 8), past=8)
+
+
+def frontier_2025_passkey() -> str:
+    return frontier_2025("passkey", (1, 2, 3, 4), past=4, baselines=("rope", "alibi", "nope", "fire"))
 
 
 def drope_pilot() -> str:
@@ -815,7 +824,7 @@ TABLES = {f.__name__.replace("_", "-"): f for f in (
     grid_extrapolation, scale_study, scale_study_eos, scale_study_medium, report_sweep, lm_extrapolation,
     lm_extrapolation_sliding, lm_memory, rope_scaling, rope_finetune, frontier_glance, frontier_claims,
     frontier_copy, frontier_flip_flop_sparse, frontier_wikitext, frontier_counting, frontier_2025_copy,
-    frontier_2025_flip_flop_sparse, frontier_2025_wikitext, drope_pilot, gpu_encodings, gpu_default_job,
+    frontier_2025_flip_flop_sparse, frontier_2025_wikitext, frontier_2025_passkey, drope_pilot, gpu_encodings, gpu_default_job,
     gpu_sweep, guard_memory)}
 
 

@@ -36,8 +36,9 @@ run)
         (( budget > 10 )) || return 0
         timeout $(( budget + 30 )) python3 scripts/gpu_measure.py --budget-s "$budget" --out /tmp/gpu "$@" \
             2>&1 | tee -a "$OUT/measure.log"; keep; }
-    # GPU_PARTS, in order (default: job tests encodings sweep; probe and profile on request)
-    for part in ${GPU_PARTS:-job tests encodings sweep}; do
+    # GPU_PARTS, in order (default: job tests sweep encodings, the unmeasured targets first; probe and
+    # profile on request)
+    for part in ${GPU_PARTS:-job tests sweep encodings}; do
         case "$part" in
         job)  # the README's default job (GPU_JOB_MODES: eager and graphs were measured on an H100 on 2026-11-27;
             # capture, which compiles nothing, not yet)
@@ -63,10 +64,10 @@ run)
         encodings)  # the targets against nope, every backend, eager then graph-captured (GPU_ENCODINGS;
             # nope, alibi, sandwich, fox, t5 and fire were measured eager on an H100 on 2026-11-27, kerple on flex
             # only; GPU_MEASURE_ARGS adds)
-            measure "${GPU_ENCODINGS_S:-220}" --parts encodings \
+            measure "${GPU_ENCODINGS_S:-$(( $(left) - 25 ))}" --parts encodings \
                 --encodings "${GPU_ENCODINGS:-nope,kerple,cope,dape,stick_breaking}" ${GPU_MEASURE_ARGS:-} ;;
-        sweep)  # whatever is left: the sweep launcher on the frontier study's copy runs
-            measure $(( $(left) - 25 )) --parts sweep ;;
+        sweep)  # the sweep launcher on the frontier study's copy runs
+            measure "${GPU_SWEEP_S:-150}" --parts sweep ;;
         *) echo "GPU_PARTS: unknown part $part (job, probe, profile, tests, encodings, sweep)" >&2 ;;
         esac
     done
