@@ -481,6 +481,18 @@ FRONTIER_TASKS = (  # (task, column, the window past N it is scored over, in uni
     ("copy", "copy, stop scored", (1, 2)), ("flip_flop_sparse", "flip-flop, sparse", (1, 2)),
     ("wikitext", "WikiText-2 bytes, perplexity over (N, 8N]", (1, math.inf)), ("counting", "counting", (1, 2)))
 FRONTIER_COST = REFERENCE / "frontier" / "cost.csv"  # scripts/benchmark_encodings.py --methods ... --out
+FRONTIER_2025_COST = REFERENCE / "frontier" / "cost_2025.csv"  # the same for issue 38's methods, with its own nope
+
+
+def frontier_costs(path: Path) -> dict[str, dict[int, float]]:
+    """method -> copy's n -> training tokens/s against nope's in the same benchmark run."""
+    cost = {}
+    if path.exists():
+        with path.open() as handle:
+            for row in csv.DictReader(handle):
+                if row["status"] == "ok" and row["tokens_per_s_vs_nope"]:
+                    cost.setdefault(row["encoding"], {})[int(row["length"])] = float(row["tokens_per_s_vs_nope"])
+    return cost
 
 
 def frontier_glance() -> str:
@@ -511,12 +523,7 @@ def frontier_glance() -> str:
                 if w["n"] < 3:  # a method whose seeds were cut short
                     text += f" [{w['n']} seed{'s' if w['n'] > 1 else ''}]"
             cells.setdefault(method, {})[header] = text
-    cost = {}
-    if FRONTIER_COST.exists():
-        with FRONTIER_COST.open() as handle:
-            for row in csv.DictReader(handle):
-                if row["status"] == "ok" and row["tokens_per_s_vs_nope"]:
-                    cost.setdefault(row["encoding"], {})[int(row["length"])] = float(row["tokens_per_s_vs_nope"])
+    cost = frontier_costs(FRONTIER_COST)
     lengths = sorted({n for by_length in cost.values() for n in by_length})
     header = ["method", *columns, *(f"step time vs nope, copy n = {n}" for n in lengths)]
     rows = [[f"`{m}`", *(cells[m].get(c, "–") for c in columns),
@@ -637,7 +644,8 @@ FRONTIER_2025_BASELINES = ("rope", "alibi", "nope", "fox")
 def frontier_2025(task: str, ratios: tuple[int, ...] = (1, 2, 4), past: int = 2,
                   baselines: tuple[str, ...] = FRONTIER_2025_BASELINES) -> str:
     """docs/studies.md: the 2025-26 methods on one frontier task beside their baselines (rope, alibi, nope and
-    fox): the metric at each ratio of N and its mean over (N, past N], each the mean over seeds with their range."""
+    fox): the metric at each ratio of N and its mean over (N, past N], each the mean over seeds with their range,
+    and the training step's time against nope's on copy (the study's size, scripts/benchmark_encodings.py)."""
     s = study("frontier")
     key = frontier_key(task)
     records = headline_by(s, key)
@@ -645,12 +653,15 @@ def frontier_2025(task: str, ratios: tuple[int, ...] = (1, 2, 4), past: int = 2,
     digits = 2 if lower_is_better(metric) else 3
     at = {r: run_window_mean(s, metric, r - 0.01, r, key) for r in ratios}
     near = run_window_mean(s, metric, 1, past, key)
+    cost = frontier_costs(FRONTIER_COST) | frontier_costs(FRONTIER_2025_COST)
+    lengths = sorted({n for m in (*baselines, *FRONTIER_2025) for n in cost.get(m, {})})
     rows = [[f"`{m}`", str(near[m]["n"]), "not learned" if report.not_learned(records[m]) else "yes",
-             *(ranged(at[r][m], digits) if m in at[r] else "–" for r in ratios), ranged(near[m], digits)]
+             *(ranged(at[r][m], digits) if m in at[r] else "–" for r in ratios), ranged(near[m], digits),
+             *(num(1 / cost[m][n], 2) if n in cost.get(m, {}) else "–" for n in lengths)]
             for m in (*baselines, *FRONTIER_2025) if m in near]
     header = ["method", "seeds", "learned at N", f"{metric} at N", *(f"at {r}N" for r in ratios[1:]),
-              f"(N, {past}N]"]
-    return table(header, rows, ["---", "---:", "---"] + ["---:"] * (len(ratios) + 1))
+              f"(N, {past}N]", *(f"step time vs nope, copy n = {n}" for n in lengths)]
+    return table(header, rows, ["---", "---:", "---"] + ["---:"] * (len(ratios) + 1 + len(lengths)))
 
 
 def frontier_2025_scores(task: str) -> str:
