@@ -38,7 +38,7 @@ run)
             2>&1 | tee -a "$OUT/measure.log"; keep; }
     # GPU_PARTS, in order (default: job tests sweep encodings, the issue's unmeasured targets first; probe and
     # profile on request)
-    for part in ${GPU_PARTS:-job tests sweep encodings}; do
+    for part in ${GPU_PARTS:-job tests reference sweep encodings}; do
         case "$part" in
         job)  # the README's default job (GPU_JOB_MODES: eager and graphs were measured on an H100 on 2026-11-27;
             # capture, which compiles nothing, not yet)
@@ -66,9 +66,15 @@ run)
             # only; GPU_MEASURE_ARGS adds)
             measure "${GPU_ENCODINGS_S:-$(( $(left) - 25 ))}" --parts encodings \
                 --encodings "${GPU_ENCODINGS:-nope,kerple,cope,dape,stick_breaking}" ${GPU_MEASURE_ARGS:-} ;;
+        reference)  # issue 38's encodings on CUDA's backends against the CPU's float64 model (never run on a GPU)
+            POSBENCH_FAILURE_LOG="$OUT/reference_failures.log" timeout "${GPU_REFERENCE_S:-70}" python3 -m pytest -q \
+                -p no:randomly -n 8 --maxprocesses=8 -p no:cacheprovider \
+                tests/test_cuda.py::test_the_cuda_backend_gives_the_cpu_reference \
+                -k "grape or pope or fope or scale_invariant or gated or selective or tape or cable or drope or string" \
+                2>&1 | tail -n 30 > "$OUT/reference.log" ;;
         sweep)  # the sweep launcher on the frontier study's copy runs
             measure "${GPU_SWEEP_S:-150}" --parts sweep ;;
-        *) echo "GPU_PARTS: unknown part $part (job, probe, profile, tests, encodings, sweep)" >&2 ;;
+        *) echo "GPU_PARTS: unknown part $part (job, probe, profile, tests, reference, encodings, sweep)" >&2 ;;
         esac
     done
     ;;
