@@ -642,10 +642,10 @@ FRONTIER_2025_BASELINES = ("rope", "alibi", "nope", "fox")
 
 
 def frontier_2025(task: str, ratios: tuple[int, ...] = (1, 2, 4), past: int = 2,
-                  baselines: tuple[str, ...] = FRONTIER_2025_BASELINES) -> str:
+                  baselines: tuple[str, ...] = FRONTIER_2025_BASELINES, with_cost: bool = False) -> str:
     """docs/studies.md: the 2025-26 methods on one frontier task beside their baselines (rope, alibi, nope and
-    fox): the metric at each ratio of N and its mean over (N, past N], each the mean over seeds with their range,
-    and the training step's time against nope's on copy (the study's size, scripts/benchmark_encodings.py)."""
+    fox): the metric at each ratio of N and its mean over (N, past N], each the mean over seeds with their range;
+    `with_cost`: the training step's time against nope's on copy (the study's size, scripts/benchmark_encodings.py)."""
     s = study("frontier")
     key = frontier_key(task)
     records = headline_by(s, key)
@@ -653,7 +653,7 @@ def frontier_2025(task: str, ratios: tuple[int, ...] = (1, 2, 4), past: int = 2,
     digits = 2 if lower_is_better(metric) else 3
     at = {r: run_window_mean(s, metric, r - 0.01, r, key) for r in ratios}
     near = run_window_mean(s, metric, 1, past, key)
-    cost = frontier_costs(FRONTIER_COST) | frontier_costs(FRONTIER_2025_COST)
+    cost = frontier_costs(FRONTIER_COST) | frontier_costs(FRONTIER_2025_COST) if with_cost else {}
     lengths = sorted({n for m in (*baselines, *FRONTIER_2025) for n in cost.get(m, {})})
     rows = [[f"`{m}`", str(near[m]["n"]), "not learned" if report.not_learned(records[m]) else "yes",
              *(ranged(at[r][m], digits) if m in at[r] else "–" for r in ratios), ranged(near[m], digits),
@@ -678,7 +678,7 @@ def frontier_2025_scores(task: str) -> str:
 
 
 def frontier_2025_copy() -> str:
-    return frontier_2025("copy")
+    return frontier_2025("copy", with_cost=True)
 
 
 def frontier_2025_flip_flop_sparse() -> str:
