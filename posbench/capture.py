@@ -16,8 +16,8 @@ CI tests everything but the capture itself. A step that reads a value back to th
 .item(), a data-dependent shape) cannot be captured: the capture's error is raised with the mode named.
 Gradients are tensors every graph writes, zeroed at each step: a parameter that gets no gradient in a step
 is stepped as one whose gradient is zero (AdamW's moments decay and its count advances), where the uncompiled
-step leaves it out; in every model here each parameter gets a gradient at every step but where an encoding
-switches phase. Each graph keeps its own shape's activations: a run of uniform lengths holds up to N sets of them (at most
+step leaves it out, so the two differ where a parameter goes unused (after an encoding's phase switch, say).
+Each graph keeps its own shape's activations: a run of uniform lengths holds up to N sets of them (at most
 MOST_GRAPHS), where the memory guard counts one (posbench.guard): for small models, which this mode is for.
 """
 from __future__ import annotations
