@@ -2,7 +2,7 @@
 once per shape as a CUDA graph and replayed, without torch.compile. A small model's step is hundreds of
 kernel launches and a few milliseconds of Python; a replay is one launch. Nothing is compiled, so a run
 starts training at once (the graph-captured compile mode, train.compile=graphs, spent 91 s compiling the
-default job on an H100 before its first step).
+default job on an H100 in its first steps).
 
 Each shape (the batch's tensors and the positions) and each training phase of the encoding
 (Encoding.train_phase: drope's drop) gets its own graph. A graph reads its inputs from static buffers the
