@@ -6,7 +6,7 @@ import errno
 import os
 import tempfile
 
-import matplotlib.figure
+import PIL.Image
 import pytest
 
 from posbench import rundir, runner, training
@@ -90,12 +90,14 @@ def test_a_full_disk_in_training_fails_with_the_error_and_resumes(tmp_path, monk
 
 def test_a_curve_that_cannot_be_written_fails_the_run_and_the_rows_stay(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
-    savefig = matplotlib.figure.Figure.savefig
+    save = PIL.Image.Image.save
 
-    def refused(self, path, *args, **kwargs):
+    def refused(self, path, *args, **kwargs):  # the PNG's write to its file (posbench.results.save_png)
+        if not isinstance(path, (str, os.PathLike)):
+            return save(self, path, *args, **kwargs)  # matplotlib's own rendering into memory
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", refused)
+    monkeypatch.setattr(PIL.Image.Image, "save", refused)
     with pytest.raises(OSError, match=NO_SPACE):
         runner.run(tiny(), run_dir)
     status = read_status(run_dir)
@@ -103,7 +105,7 @@ def test_a_curve_that_cannot_be_written_fails_the_run_and_the_rows_stay(tmp_path
     assert describe(status).startswith("failed at figures: OSError: ")
     measured = read_rows(run_dir)
     assert [r["status"] for r in measured] == ["ok", "ok"]
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    monkeypatch.setattr(PIL.Image.Image, "save", save)
     assert runner.run(tiny(), run_dir) == measured  # nothing measured again: only the figures
     assert read_status(run_dir)["state"] == "ok" and (run_dir / "curve.png").exists()
 
