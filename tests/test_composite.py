@@ -55,8 +55,8 @@ def test_rope_plus_t5_equals_the_two_parts_applied_by_hand():
     rq, rk = rope.qk(q, k, pos, pos, 0)  # rotated separately by a standalone rope
     expected = attention_by_hand(rq, rk, v, t5.bias(pos, pos, 0))
     assert enc.hooks == {"qk", "bias"} and enc.relative
-    torch.testing.assert_close(attend(enc, q, k, v, pos), expected, rtol=0, atol=1e-12)
-    torch.testing.assert_close(attend(enc, q, k, v, pos, "sdpa"), expected, rtol=0, atol=1e-12)
+    assert_close_scaled(attend(enc, q, k, v, pos), expected, rtol=0, atol_scale=1e-12, name="eager")
+    assert_close_scaled(attend(enc, q, k, v, pos, "sdpa"), expected, rtol=0, atol_scale=1e-12, name="sdpa")
 
 
 def test_learned_plus_alibi_equals_table_row_and_linear_bias_by_hand():
@@ -70,7 +70,7 @@ def test_learned_plus_alibi_equals_table_row_and_linear_bias_by_hand():
     distance = (pos[0, :, None] - pos[0, None, :]).double()  # [L, L], i - j
     expected = attention_by_hand(q, k, v, -slopes[:, None, None] * distance.abs())
     assert enc.hooks == {"embed", "decay"} and not enc.relative  # alibi in a causal model: a decay
-    torch.testing.assert_close(attend(enc, q, k, v, pos), expected, rtol=0, atol=1e-12)
+    assert_close_scaled(attend(enc, q, k, v, pos), expected, rtol=0, atol_scale=1e-12, name="eager")
 
 
 def test_embed_sum_of_sinusoidal_and_learned():
@@ -80,7 +80,7 @@ def test_embed_sum_of_sinusoidal_and_learned():
     p_sin = sinusoidal_table(pos, D_MODEL).double()  # integer positions: the float32 table the part adds
     expected = x + p_sin + enc.parts[1].table[pos]
     got = enc.embed(x, pos, torch.zeros(2, 4, dtype=torch.long))
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    assert_close_scaled(got, expected, rtol=0, atol_scale=1e-12, name="embedding")
 
 
 @pytest.mark.parametrize("parts,params,message", [
@@ -160,7 +160,7 @@ def test_rope_plus_alibi_is_shift_invariant(causal):
         return rq @ rk.transpose(-1, -2) * enc.logit_scale(HEAD) + term
 
     for shift in (1, 37, 1000):
-        torch.testing.assert_close(logits(shift), logits(0), rtol=0, atol=1e-9)
+        assert_close_scaled(logits(shift), logits(0), rtol=0, atol_scale=1e-9, name=f"shift {shift}")
 
 
 def test_parts_parameters_are_registered_and_train():
@@ -226,7 +226,7 @@ def test_prob_in_sequence_value_terms_summed(monkeypatch):
     p = logits.masked_fill(~causal_mask(LENGTH, LENGTH, q.device), float("-inf")).softmax(-1)
     for order, modulated in ((["halve", "square"], (p / 2) ** 2), (["square", "halve"], p ** 2 / 2)):
         enc = make_encoding("composite", d_model=D_MODEL, n_heads=HEADS, parts=order)
-        torch.testing.assert_close(attend(enc, q, k, v, pos), modulated @ v + 3, rtol=0, atol=1e-12)
+        assert_close_scaled(attend(enc, q, k, v, pos), modulated @ v + 3, rtol=0, atol_scale=1e-12, name="+".join(order))
 
 
 def test_cli_shape_composes_and_builds():

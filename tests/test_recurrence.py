@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from posbench.model import Transformer, recurrence_refusal
-from tests.helpers import ENCODING_CASES, make_case, trained_looking_model
+from tests.helpers import ENCODING_CASES, assert_close_scaled, make_case, trained_looking_model
 
 RECURRENT = [case for case in ENCODING_CASES  # built instances; 1-D: segments of a stream, grids have none
              if recurrence_refusal(enc := make_case(case)) is None and enc.position_dims == 1]
@@ -21,8 +21,8 @@ def test_second_segment_after_memory_equals_reading_both_at_once(case):
     full = model(ids, torch.arange(14)[None])  # [B, 2L, V]
     first, memory = model.forward_recurrent(ids[:, :7], None, memory_length=7)
     second, _ = model.forward_recurrent(ids[:, 7:], memory, memory_length=7)
-    torch.testing.assert_close(first, full[:, :7], rtol=0, atol=1e-10)
-    torch.testing.assert_close(second, full[:, 7:], rtol=0, atol=1e-10)
+    assert_close_scaled(first, full[:, :7], rtol=0, atol_scale=1e-10, name="first segment")
+    assert_close_scaled(second, full[:, 7:], rtol=0, atol_scale=1e-10, name="second segment")
 
 
 @pytest.mark.parametrize("name", ["nope", "alibi", "rope"])
@@ -32,7 +32,7 @@ def test_sdpa_aligns_queries_to_the_end_of_the_memory(name):
     _, memory = eager.forward_recurrent(ids[:, :6], None, memory_length=6)
     expected, _ = eager.forward_recurrent(ids[:, 6:], memory, memory_length=6)
     got, _ = sdpa.forward_recurrent(ids[:, 6:], memory, memory_length=6)
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+    assert_close_scaled(got, expected, rtol=0, atol_scale=1e-10, name=name)
 
 
 def test_memory_keeps_the_last_tokens_without_gradient():
