@@ -55,22 +55,14 @@ class CapturedSteps:
     """One training step per call, on a graph per (shape, training phase); see the module docstring."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step_fn, device: torch.device):
-        self.model, self.optimizer, self.step_fn, self.device = model, optimizer, step_fn, device
+        self.optimizer, self.step_fn, self.device = optimizer, step_fn, device
         self.cuda = device.type == "cuda"
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.lr = None
-        if self.cuda:  # the graphs read the learning rate from this tensor (AdamW with capturable=True)
-            self.lr = torch.tensor(float(optimizer.param_groups[0]["lr"]), device=device)
+        if self.cuda:  # the graphs read the learning rate from this tensor (training.set_learning_rate fills it)
+            lr = torch.tensor(float(optimizer.param_groups[0]["lr"]), device=device)
             for group in optimizer.param_groups:
-                group["lr"] = self.lr
-        self.graphs: dict[tuple, tuple] = {}  # key -> (graph or None, static batch, static positions, outputs)
-
-    def set_lr(self, lr: float) -> None:
-        if self.lr is not None:
-            self.lr.fill_(lr)
-        else:
-            for group in self.optimizer.param_groups:
                 group["lr"] = lr
+        self.graphs: dict[tuple, tuple] = {}  # key -> (graph or None, static batch, static positions, outputs)
 
     def __call__(self, batch, positions: torch.Tensor, phase=()) -> tuple[torch.Tensor, dict]:
         tensors = [f.name for f in dataclasses.fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)]
@@ -80,7 +72,7 @@ class CapturedSteps:
         if key not in self.graphs:
             if len(self.graphs) == MOST_GRAPHS:
                 raise RuntimeError(f"{TOO_MANY}; this run drew a {MOST_GRAPHS + 1}th")
-            self.graphs[key] = self._capture(batch, positions)
+            self.graphs[key] = self._capture(batch, positions, tensors)
         graph, static_batch, static_positions, outputs = self.graphs[key]
         for name in tensors:
             getattr(static_batch, name).copy_(getattr(batch, name), non_blocking=True)
@@ -90,10 +82,8 @@ class CapturedSteps:
         graph.replay()
         return outputs
 
-    def _capture(self, batch, positions):
-        static_batch = dataclasses.replace(batch, **{
-            f.name: getattr(batch, f.name).clone() for f in dataclasses.fields(batch)
-            if isinstance(getattr(batch, f.name), torch.Tensor)})
+    def _capture(self, batch, positions, tensors: list[str]):
+        static_batch = dataclasses.replace(batch, **{name: getattr(batch, name).clone() for name in tensors})
         static_positions = positions.clone()
         saved = self._save()
         stream = torch.cuda.Stream(self.device) if self.cuda else None

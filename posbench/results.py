@@ -6,7 +6,6 @@ measured, so a crash loses nothing already written.
 from __future__ import annotations
 
 import io
-
 import json
 import warnings
 from dataclasses import dataclass

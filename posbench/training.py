@@ -32,6 +32,16 @@ def learning_rate(step: int, cfg_train: DictConfig) -> float:
     return cfg_train.lr * (cfg_train.min_lr_ratio + (1 - cfg_train.min_lr_ratio) * left)
 
 
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every group's learning rate; a tensor one (a capturable AdamW's: posbench.capture) is filled in place,
+    where the recorded graphs read it."""
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
 def make_optimizer(model: torch.nn.Module, cfg_train: DictConfig) -> torch.optim.Optimizer:
     """AdamW; no weight decay on biases, norms and the encoding's own parameters. Under train.compile=capture on
     CUDA it is `capturable` (its step counts on the device, its learning rate a tensor: posbench.capture)."""
@@ -194,11 +204,7 @@ def train(built: Built, cfg: DictConfig, device: torch.device, logger, checkpoin
             if cfg_train.lengths == "uniform":
                 length = int(torch.randint(1, built.train_length + 1, (1,), generator=generators["length"]))
             batch = task.train_sample(cfg_train.batch_size, length, built.train_length, generators["data"])
-            if captured is not None:
-                captured.set_lr(learning_rate(step, cfg_train))
-            else:
-                for group in optimizer.param_groups:
-                    group["lr"] = learning_rate(step, cfg_train)
+            set_learning_rate(optimizer, learning_rate(step, cfg_train))
             built.encoding.set_train_step(step, cfg_train.steps)
             positions = built.positions.for_batch(batch, generators["data"])  # [1, T] or [1, T, 2]
             if fingerprint is not None:

@@ -27,7 +27,7 @@ def probe(mode: str, steps: int, overrides: list[str]) -> list[dict]:
     from posbench import draws
     from posbench.build import build, resolve_device, sync
     from posbench.settings import COMPILE_MODES
-    from posbench.training import begin_step, compiled, learning_rate, make_optimizer, train_step
+    from posbench.training import begin_step, compiled, learning_rate, make_optimizer, set_learning_rate, train_step
     from scripts.benchmark_encodings import compose_cfg
 
     cfg = compose_cfg([*overrides, f"train.compile={mode}"])
@@ -46,8 +46,7 @@ def probe(mode: str, steps: int, overrides: list[str]) -> list[dict]:
         if cfg.train.lengths == "uniform":
             length = int(torch.randint(1, built.train_length + 1, (1,), generator=generators["length"]))
         batch = task.train_sample(cfg.train.batch_size, length, built.train_length, generators["data"])
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, cfg.train)
+        set_learning_rate(optimizer, learning_rate(step, cfg.train))
         positions = built.positions.for_batch(batch, generators["data"])  # [1, T]
         batch, positions = draws.to_device(batch, device), draws.move(positions, device)
         sync(device)

@@ -27,7 +27,8 @@ TABLES = Path(__file__).resolve().parents[2] / "results" / "gpu"
 TABLE_FILE = "encodings.csv"
 TABLE_ENV = "POSBENCH_CROSSOVER"
 MARGIN = 1.05  # another backend replaces the rule's where it is measured this much faster
-MODES = dict(zip(COMPILE_MODES, ("eager", "compiled", "static", "graphs", "capture")))  # train.compile -> the table's mode
+# train.compile -> the table's mode
+MODES = dict(zip(COMPILE_MODES, ("eager", "compiled", "static", "graphs", "capture")))
 
 
 def device_slug(name: str) -> str:
