@@ -39,13 +39,12 @@ def main(argv: list[str] | None = None) -> None:
     from posbench.settings import COMPILE_MODES
     from posbench.training import begin_step, compiled, make_optimizer, train_step
     from scripts.benchmark_encodings import compose_cfg
+    from scripts.gpu_measure import built_task_length, sequence_task_length
 
     torch.set_num_threads(1)
-    length = max(1, args.tokens // 2)  # copy shows 2n + 1 tokens with BOS
+    length = sequence_task_length(args.tokens)
     device = resolve_device(args.device)
-    probe = build(compose_cfg([f"encoding={args.encoding}", "model=small", f"train.length={length}",
-                               "device=cpu", "train.batch_size=1"]), torch.device("cpu"))
-    batch_size = max(1, args.tokens_per_step // probe.task.sequence_length(length))
+    batch_size = max(1, args.tokens_per_step // built_task_length(args.encoding, length))
     cfg = compose_cfg([f"encoding={args.encoding}", f"backend={args.backend}", "model=small", f"train.length={length}",
                        f"train.batch_size={batch_size}", f"device={args.device}", f"train.compile={args.compile}",
                        *args.overrides])
