@@ -15,7 +15,8 @@ results/gpu/<device name>/ for docs/performance.md to read (scripts/docs_tables.
   TOKENS_PER_STEP tokens a batch, of one model per backend and mode built for the longest length (a compiled
   forward compiles once, as in a run); tokens/s is over the median of the timed steps (8, or as many as fill
   0.5 s, at most 200: `timed_steps`). `tokens` is the sequence the model sees (copy's 2n + 1 for n = tokens // 2).
-  vs_nope divides by nope on its own auto backend at the same tokens and mode, measured in this run. One child process per encoding.
+  vs_nope divides by nope on its own auto backend at the same tokens and mode, measured in this run. One child
+  process per encoding.
 - default_job.csv: `device, wall_s, train_s, exact_match_at_n, data_fingerprint` of the README's default
   job (`python -m posbench encoding=rope task=copy`) on this device, as it is (compile eager) and with
   train.compile=capture and graphs (--job-modes), with its training steps and tokens per second.
@@ -128,8 +129,9 @@ def child(args: argparse.Namespace) -> None:
                 model, task = built.model.train(), built.task
                 optimizer = make_optimizer(model, cfg.train)
                 forward = compiled(model, compile_mode, device, flex=built.backend == "flex")
-                train_one = functools.partial(train_step, model, forward, task, optimizer=optimizer, cfg_train=cfg.train,
-                                         device=device, static_gradients=compile_mode == "capture")
+                train_one = functools.partial(train_step, model, forward, task, optimizer=optimizer,
+                                              cfg_train=cfg.train, device=device,
+                                              static_gradients=compile_mode == "capture")
                 if compile_mode == "capture":  # a CUDA graph of the whole step per length (posbench.capture)
                     train_one = CapturedSteps(model, optimizer, train_one, device)
                 generator = draws.generator(0)

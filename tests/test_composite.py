@@ -226,7 +226,8 @@ def test_prob_in_sequence_value_terms_summed(monkeypatch):
     p = logits.masked_fill(~causal_mask(LENGTH, LENGTH, q.device), float("-inf")).softmax(-1)
     for order, modulated in ((["halve", "square"], (p / 2) ** 2), (["square", "halve"], p ** 2 / 2)):
         enc = make_encoding("composite", d_model=D_MODEL, n_heads=HEADS, parts=order)
-        assert_close_scaled(attend(enc, q, k, v, pos), modulated @ v + 3, rtol=0, atol_scale=1e-12, name="+".join(order))
+        assert_close_scaled(attend(enc, q, k, v, pos), modulated @ v + 3, rtol=0, atol_scale=1e-12,
+                            name="+".join(order))
 
 
 def test_cli_shape_composes_and_builds():
