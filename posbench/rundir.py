@@ -297,7 +297,8 @@ class StopSignals:
     signal ends the process at once instead: one batch at a long length can be one torch call of many
     minutes, and Python runs its signal handlers only once that call returns. A watcher thread, woken
     through signal.set_wakeup_fd while the main thread computes, calls stop_now(signum) (the runner
-    records the stop and releases the directory), hands the signal on and exits."""
+    records the stop and releases the directory), hands the signal on and exits. A data-parallel run
+    gives no stop_now: one rank ending alone would fail its peers inside a collective."""
 
     def __init__(self, stop_now=None):
         self.signum: int | None = None

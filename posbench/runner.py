@@ -171,7 +171,9 @@ def run(cfg: DictConfig, run_dir: str | Path) -> list[dict]:
             for lock in locks:
                 lock.__exit__(None, None, None)
 
-        stop = StopSignals(stop_now)
+        # data-parallel: no rank ends alone inside an evaluation (its peers would fail in a collective);
+        # the ranks' vote at each batch stops them together
+        stop = StopSignals(stop_now if distributed.size() == 1 else None)
         with stop.active():
             try:
                 rows = run_built(cfg, built, device, run_dir, resolved, status, stop)
