@@ -87,7 +87,7 @@ def params(record) -> dict:
 
 def group_params(s: Study) -> dict:
     """group -> the settings of its first row."""
-    return {group: params(part.iloc[0]) for group, part in s.frame.groupby("group", sort=False)}
+    return {record["group"]: params(record) for _, record in s.frame.drop_duplicates("group").iterrows()}
 
 
 def num(value, digits: int = 3) -> str:
@@ -155,13 +155,13 @@ def run_window_mean(s: Study, metric: str, low: float, high: float, key) -> dict
     """row key -> spread over seeds of each run's mean of the metric over evaluated lengths in
     (low, high] (in units of N), as published.csv averages a published range."""
     settings = group_params(s)
+    frame, n = s.frame, s.frame["train_length"]
+    inside = frame[(frame["eval_length"] > low * n) & (frame["eval_length"] <= high * n) & (frame["status"] == "ok")]
+    means = inside.groupby("run_id", sort=False).agg(group=("group", "first"), value=(metric, "mean"))
     per_run: dict = {}
-    for _, part in s.frame.groupby("run_id", sort=False):
-        k = key(settings[part["group"].iloc[0]])
-        n = part["train_length"].iloc[0]
-        inside = part[(part["eval_length"] > low * n) & (part["eval_length"] <= high * n) & (part["status"] == "ok")]
-        if k is not None and len(inside):
-            per_run.setdefault(k, []).append(float(inside[metric].mean()))
+    for run_id in frame["run_id"].unique():  # the runs in the frame's order, as each seed's value is listed
+        if run_id in means.index and (k := key(settings[means.at[run_id, "group"]])) is not None:
+            per_run.setdefault(k, []).append(float(means.at[run_id, "value"]))
     return {k: spread(v) for k, v in per_run.items()}
 
 
