@@ -36,9 +36,9 @@ run)
         (( budget > 10 )) || return 0
         timeout $(( budget + 30 )) python3 scripts/gpu_measure.py --budget-s "$budget" --out /tmp/gpu "$@" \
             2>&1 | tee -a "$OUT/measure.log"; keep; }
-    # GPU_PARTS, in order (default: job tests sweep encodings, the issue's unmeasured targets first; probe and
-    # profile on request)
-    for part in ${GPU_PARTS:-job tests reference sweep encodings}; do
+    # GPU_PARTS, in order (default: job costs tests reference sweep encodings, the issue's unmeasured targets
+    # first; probe and profile on request)
+    for part in ${GPU_PARTS:-job costs tests reference sweep encodings}; do
         case "$part" in
         job)  # the README's default job (GPU_JOB_MODES: eager and graphs were measured on an H100 on 2026-11-27;
             # capture, which compiles nothing, not yet)
@@ -52,6 +52,10 @@ run)
                 timeout "${GPU_PROFILE_S:-40}" python3 scripts/profile_step.py --encoding "${target%%:*}" \
                     --tokens "${target##*:}" > "$OUT/profile_${target%%:*}_${target##*:}.txt" 2>&1
             done ;;
+        costs)  # where the bias and decay methods' attention time goes (the cause of each shortfall against nope):
+            # one call's parts, each timed against nope's kernel (scripts/attention_costs.py)
+            timeout "${GPU_COSTS_S:-90}" python3 scripts/attention_costs.py --budget-s $(( ${GPU_COSTS_S:-90} - 30 )) \
+                --out "$OUT/attention_costs.csv" 2>&1 | tee "$OUT/attention_costs.log" | tail -n 5 ;;
         tests)  # the CUDA checks of capture and the compile modes (never reached in 2026-11-27's calls: first now), the
             # launcher's pinning, the data path and device memory; 8 workers (pyproject's addopts cap them at 4)
             POSBENCH_FAILURE_LOG="$OUT/test_failures.log" timeout $(( $(left) < ${GPU_TESTS_S:-130} ? $(left) : ${GPU_TESTS_S:-130} )) \
@@ -74,7 +78,7 @@ run)
                 2>&1 | tail -n 30 > "$OUT/reference.log" ;;
         sweep)  # the sweep launcher on the frontier study's copy runs
             measure "${GPU_SWEEP_S:-150}" --parts sweep ;;
-        *) echo "GPU_PARTS: unknown part $part (job, probe, profile, tests, reference, encodings, sweep)" >&2 ;;
+        *) echo "GPU_PARTS: unknown part $part (job, costs, probe, profile, tests, reference, encodings, sweep)" >&2 ;;
         esac
     done
     ;;

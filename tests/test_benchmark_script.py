@@ -133,3 +133,22 @@ def test_profile_step_and_compile_probe_run_on_the_cpu(tmp_path):
     assert [(r["mode"], r["step"]) for r in rows] == [(m, str(s)) for m in ("false", "true") for s in range(6)]
     assert rows[0]["first_of_length"] == "True" and all(float(r["seconds"]) > 0 for r in rows)
     assert [line.split()[0] for line in probed.stdout.splitlines()[1:]] == ["false", "true"]
+
+
+def test_attention_costs_split_a_call_into_its_parts(tmp_path):
+    """scripts/attention_costs.py times each part of a bias or decay method's attention call against nope's
+    kernel on the same q, k, v, and writes the rows as it goes."""
+    from scripts import attention_costs
+
+    out = tmp_path / "costs.csv"
+    rows = attention_costs.main(["--encodings", "alibi,fire", "--tokens", "33", "--tokens-per-step", "128",
+                                 "--device", "cpu", "--out", str(out)])
+    parts = {name: [r["part"] for r in rows if r["encoding"] == name] for name in ("alibi", "fire")}
+    assert parts["alibi"] == ["nope", "sdpa, constant bias", "sdpa, bias gradient", "sdpa, decay in 17 columns",
+                              "sdpa, decay in 24 columns", "sdpa call", "eager call"]  # heads of 16: d + 1, padded
+    assert parts["fire"] == ["nope", "sdpa, constant bias", "sdpa, bias gradient", "bias alone",
+                             "bias alone, dense MLP", "sdpa call", "eager call"]  # flex trains on CUDA only
+    assert all(r["status"] == "ok" and r["ms"] > 0 and r["batch_size"] == 3 for r in rows)
+    assert [r["times_nope"] for r in rows if r["part"] == "nope"] == [1.0, 1.0]
+    with out.open() as handle:
+        assert [row["part"] for row in csv.DictReader(handle)] == [r["part"] for r in rows]

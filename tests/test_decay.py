@@ -143,6 +143,45 @@ def test_fox_gates_get_the_eager_gradient_through_the_extra_column():
         assert_close_scaled(grads[1][name], grad, rtol=1e-9, atol_scale=1e-11, name=name)  # up to ~500
 
 
+@pytest.mark.parametrize("columns", [3, 8])
+def test_the_decay_columns_padded_as_on_cuda_give_the_one_column_logits_and_gradients(columns, monkeypatch):
+    """On CUDA zero columns follow the decay's up to a multiple of 8 (a head of 17 leaves the fused kernels);
+    forced here on the CPU: a pass, a pass in query blocks (a layer's decay room, written block by block) and
+    the gradients equal one column's."""
+    from posbench.attention import layer, sdpa
+
+    ids = torch.randint(0, 11, (2, 30), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(30)[None]
+
+    def run(columns_used):
+        with monkeypatch.context() as patch:
+            patch.setattr(sdpa, "decay_columns", lambda q: columns_used)
+            model = fox_model("sdpa").train()
+            logits = model(ids, pos)
+            logits.sin().sum().backward()
+            patch.setattr(layer, "DECAY_CHUNK", 7)  # blocks of 7 queries in evaluation
+            with torch.no_grad():
+                blocked = model.eval()(ids, pos)
+        return logits.detach(), blocked, {n: p.grad for n, p in model.named_parameters()}
+
+    one, padded = run(1), run(columns)
+    assert_close_scaled(padded[0], one[0], rtol=0, atol_scale=1e-12, name="logits")
+    assert_close_scaled(padded[1], one[1], rtol=0, atol_scale=1e-12, name="logits in blocks")
+    assert_close_scaled(padded[1], one[0], rtol=0, atol_scale=1e-12, name="blocks against one pass")
+    for name, grad in one[2].items():
+        assert_close_scaled(padded[2][name], grad, rtol=1e-9, atol_scale=1e-11, name=name)
+
+
+def test_decay_columns_keep_cuda_heads_a_multiple_of_8():
+    from posbench.attention.sdpa import decay_columns
+
+    assert decay_columns(torch.zeros(1, 1, 1, 16)) == 1  # CPU: the decay's column alone
+    stand_in = type("CudaHead", (), {"is_cuda": True, "shape": None})  # the rule reads is_cuda and the shape
+    for width, columns in ((16, 8), (15, 1), (8, 8), (17, 7), (64, 8), (7, 1)):
+        stand_in.shape = (1, 1, 1, width)
+        assert decay_columns(stand_in) == columns and (width + columns) % 8 == 0
+
+
 def test_fox_levels_are_a_float64_cumulative_sum_of_log_forget_gates():
     model = fox_model("sdpa")
     enc = model.encoding

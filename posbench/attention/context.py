@@ -36,7 +36,7 @@ class AttentionCall:
     first_key: int = 0  # the index of the call's first key in the layer's keys (a window's chunk starts past 0)
     q_levels: torch.Tensor | None = None  # decay levels c at the queries [B|1, H, Lq]: bias c_i - c_j
     k_levels: torch.Tensor | None = None  # decay levels c at the keys [B|1, H, Lk]
-    decay_room: bool = False  # q, k, v carry one more column, the backend's (Backend.decay_room), for the decay
+    decay_room: int = 0  # columns q, k, v carry past the head for the decay, the backend's (Backend.decay_room)
     block_starts: tuple[int, ...] = (0,)  # the layer's query blocks begin at these query indices
     query_offset: int = 0  # this call's first query among the layer's queries (a block's start)
     layer_state: object = None  # what the encoding's layer_pass returned for this layer and forward

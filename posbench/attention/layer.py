@@ -95,7 +95,8 @@ class Attention(nn.Module):
             room = self.backend.decay_room(q, k, v) if call.k_levels is not None and not torch.is_grad_enabled() \
                 else None
             if room is not None:  # each block writes its part of it in place: no gradient may pass
-                (q, k, v), call.decay_room = room, True
+                call.decay_room = room[0].shape[-1] - q.shape[-1]
+                q, k, v = room
             spans = [self.block_span(call, start, min(length, start + block), q.shape[-2], k.shape[-2])
                      for start in range(0, length, block)]
             views = BlockViews.apply(q, k, v, spans) if torch.is_grad_enabled() else \

@@ -5,6 +5,9 @@
   and v (zeros, dropped from the output), so it rides the same mask-free kernel; c_ref, the level of
   the call's first query, keeps the column small, and softmax ignores the per-query constant it adds.
   A layer evaluated in blocks makes the room once (`decay_room`) and each block writes its keys' column.
+  On CUDA zero columns follow it up to a multiple of 8 (`decay_columns`): the fused CUDA kernels take head
+  sizes divisible by 4 in float32 (8 in half precision), and a head of 17 fell to the math kernel, which
+  forms [B, H, Lq, Lk].
 - A sliding window: its band as -inf in the mask (with the bias, if any).
 - A bias on CPU: the fused flash kernel with the causal flag and the bias as its mask (posbench.attention
   .fused_cpu); elsewhere a 4-D float mask (a 3-D one would leave the fused kernels).
@@ -22,19 +25,31 @@ from posbench.attention.fused_cpu import FusedBiasAttention, fused_causal_block,
 from posbench.hooks import SDPA, backend_hooks
 
 
-def with_decay_column(q, k, v, call: AttentionCall, scale: float):
-    """q, k, v [B, H, L, d] -> [B, H, L, d + 1] whose scaled q.k carries c_ref - c_j: softmax as with c_i - c_j."""
+CUDA_HEAD_MULTIPLE = 8  # the fused CUDA kernels' head-size alignment: 4 in float32 on sm80+, 8 in half precision
+
+
+def decay_columns(q: torch.Tensor) -> int:
+    """The columns the decay adds to q, k and v: its own, then on CUDA zeros up to a multiple of 8."""
+    return 1 + (-(q.shape[-1] + 1) % CUDA_HEAD_MULTIPLE if q.is_cuda else 0)
+
+
+def with_decay_column(q, k, v, call: AttentionCall, scale: float, columns: int = 1):
+    """q, k, v [B, H, L, d] -> [B, H, L, d + columns] whose scaled q.k carries c_ref - c_j: softmax as with
+    c_i - c_j. The decay's column comes first (q: ones, k: the levels, v: zeros), zeros after it."""
     ref = call.q_levels[..., :1]  # [B|1, H, 1]: the level of the first query
     column = ((ref - call.k_levels) / scale).to(k.dtype)[..., None]  # [B|1, H, Lk, 1]
-    q = torch.cat([q, torch.ones_like(q[..., :1])], dim=-1)  # [B, H, Lq, d + 1]
-    k = torch.cat([k, column.expand(k.shape[0], -1, -1, -1)], dim=-1)  # [B, H, Lk, d + 1]
-    v = torch.cat([v, torch.zeros_like(v[..., :1])], dim=-1)  # [B, H, Lk, d + 1]
+    zeros = columns - 1
+    q = torch.cat([q, torch.ones_like(q[..., :1]), q.new_zeros(*q.shape[:-1], zeros)], dim=-1)  # [B, H, Lq, d + c]
+    k = torch.cat([k, column.expand(k.shape[0], -1, -1, -1), k.new_zeros(*k.shape[:-1], zeros)],
+                  dim=-1)  # [B, H, Lk, d + c]
+    v = torch.cat([v, v.new_zeros(*v.shape[:-1], columns)], dim=-1)  # [B, H, Lk, d + c]
     return q, k, v
 
 
 def write_decay_column(k, call: AttentionCall, scale: float) -> None:
-    """Into the last column of k [B, H, Lk, d + 1] (a block's keys in a layer's decay_room): (c_ref - c_j) / scale."""
-    k[..., -1] = ((call.q_levels[..., :1] - call.k_levels) / scale).to(k.dtype)  # [B|1, H, Lk] broadcast
+    """Into the decay's column of k [B, H, Lk, d + columns] (a block's keys in a layer's decay_room): (c_ref - c_j)
+    / scale."""
+    k[..., -call.decay_room] = ((call.q_levels[..., :1] - call.k_levels) / scale).to(k.dtype)  # [B|1, H, Lk]
 
 
 class SdpaBackend(Backend):
@@ -45,11 +60,13 @@ class SdpaBackend(Backend):
         return not fused_cpu_ok(q)  # the fused CPU kernel masks with its causal flag
 
     def decay_room(self, q, k, v):
-        """q, k, v [B, H, L, d] -> [B, H, L, d + 1] once per layer: q's column ones, v's zeros, k's written
-        by each block (its levels' reference is the block's first query), so blocks copy no keys."""
-        zeros = torch.zeros_like(q[..., :1])
-        return (torch.cat([q, torch.ones_like(q[..., :1])], dim=-1), torch.cat([k, zeros], dim=-1),
-                torch.cat([v, zeros], dim=-1))  # [B, H, L, d + 1] each
+        """q, k, v [B, H, L, d] -> [B, H, L, d + columns] once per layer (decay_columns): q's decay column ones,
+        v's zeros, k's written by each block (its levels' reference is the block's first query), so blocks copy
+        no keys; the padding columns zeros."""
+        columns = decay_columns(q)
+        q = torch.cat([q, torch.ones_like(q[..., :1]), q.new_zeros(*q.shape[:-1], columns - 1)], dim=-1)
+        k, v = (torch.cat([t, t.new_zeros(*t.shape[:-1], columns)], dim=-1) for t in (k, v))
+        return q, k, v  # [B, H, L, d + columns] each
 
     def attend(self, q, k, v, call):
         width = v.shape[-1] - call.decay_room  # the output's: q and k may be wider (pope)
@@ -57,7 +74,7 @@ class SdpaBackend(Backend):
         if call.decay_room:
             write_decay_column(k, call, scale)
         elif call.k_levels is not None:
-            q, k, v = with_decay_column(q, k, v, call, scale)
+            q, k, v = with_decay_column(q, k, v, call, scale, decay_columns(q))
         bias, causal = call_bias(call), call.causal and not call.mask_in_bias
         if call.window is not None:  # the band as -inf in a 4-D mask
             visible = call.visible()  # [Lq, Lk]
