@@ -36,9 +36,9 @@ run)
         (( budget > 10 )) || return 0
         timeout $(( budget + 30 )) python3 scripts/gpu_measure.py --budget-s "$budget" --out /tmp/gpu "$@" \
             2>&1 | tee -a "$OUT/measure.log"; keep; }
-    # GPU_PARTS, in order (default: job costs tests reference sweep encodings, the issue's unmeasured targets
-    # first; probe and profile on request)
-    for part in ${GPU_PARTS:-job costs tests reference sweep encodings}; do
+    # GPU_PARTS, in order (default: job startup costs tests reference sweep encodings, the issue's unmeasured
+    # targets first; probe and profile on request)
+    for part in ${GPU_PARTS:-job startup costs tests reference sweep encodings}; do
         case "$part" in
         job)  # the README's default job (GPU_JOB_MODES: eager and graphs were measured on an H100 on 2026-11-27;
             # capture, which compiles nothing, not yet)
@@ -52,6 +52,11 @@ run)
                 timeout "${GPU_PROFILE_S:-40}" python3 scripts/profile_step.py --encoding "${target%%:*}" \
                     --tokens "${target##*:}" > "$OUT/profile_${target%%:*}_${target##*:}.txt" 2>&1
             done ;;
+        startup)  # the default job's time outside training (46 s wall against 35 s of training on an H100): the same
+            # command untrained, timed whole, with Python's import times
+            ( TIMEFORMAT="startup: %R s wall, %U s user"; time timeout "${GPU_STARTUP_S:-60}" python3 -X importtime \
+                -m posbench encoding=rope task=copy train.steps=0 hydra.run.dir=/tmp/startup \
+                > "$OUT/startup.log" 2> "$OUT/startup_imports.log" ) 2>&1 | tee -a "$OUT/startup.log" ;;
         costs)  # where the bias and decay methods' attention time goes (the cause of each shortfall against nope):
             # one call's parts, each timed against nope's kernel (scripts/attention_costs.py)
             timeout "${GPU_COSTS_S:-90}" python3 scripts/attention_costs.py --budget-s $(( ${GPU_COSTS_S:-90} - 30 )) \
@@ -78,7 +83,7 @@ run)
                 2>&1 | tail -n 30 > "$OUT/reference.log" ;;
         sweep)  # the sweep launcher on the frontier study's copy runs
             measure "${GPU_SWEEP_S:-150}" --parts sweep ;;
-        *) echo "GPU_PARTS: unknown part $part (job, costs, probe, profile, tests, reference, encodings, sweep)" >&2 ;;
+        *) echo "GPU_PARTS: unknown part $part (job, startup, costs, probe, profile, tests, reference, encodings, sweep)" >&2 ;;
         esac
     done
     ;;
