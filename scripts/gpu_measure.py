@@ -191,17 +191,19 @@ def failure(err: Exception) -> str:
 
 # ---------------------------------------------------------------- parent: the three parts
 
-def encoding_plan(names: list[str]) -> list[tuple[str, list[int], str]]:
+def encoding_plan(names: list[str], backends: list[str] | None = None) -> list[tuple[str, list[int], str]]:
     """(encoding, token counts, backends) in measuring order: nope, the targets, the rest. Every encoding on
-    auto's choice; those with a bias or a decay, the crossover's candidates, on each backend besides."""
+    auto's choice; those with a bias or a decay, the crossover's candidates, on each backend besides (of
+    `backends` only, when given)."""
     from posbench.encodings import REGISTRY
 
     order = [BASELINE] + [n for n in TARGETS if n in names] + [n for n in names if n not in TARGETS]
+    candidates = [b for b in BACKENDS if not backends or b in backends]
     plan = []
     for name in dict.fromkeys(order):
         crossover = bool(set(REGISTRY[name].hooks) & {"bias", "decay"})
         plan.append((name, list(TOKENS) + ([LONG_TOKENS] if crossover or name == BASELINE else []),
-                     ",".join(["auto", *BACKENDS]) if crossover else "auto"))
+                     ",".join(["auto", *candidates]) if crossover else "auto"))
     return plan
 
 
@@ -217,7 +219,7 @@ def measure_encodings(args, deadline: float, path: Path) -> list[dict]:
         raise SystemExit(f"--encodings: unknown {unknown}; choose from {sorted(known)}")
     rows = []
     for mode in args.modes:
-        for name, tokens, backends in encoding_plan(names):
+        for name, tokens, backends in encoding_plan(names, args.backends.split(",") if args.backends else None):
             tokens = [t for t in tokens if not args.tokens or t in args.tokens]
             command = [sys.executable, str(Path(__file__).resolve()), "--child", "--encoding", name,
                        "--backends", backends, "--modes", mode, "--tokens", ",".join(map(str, tokens)),
@@ -384,7 +386,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep-overrides", nargs="*", default=[], help="overrides added to the sweep")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--encoding", help=argparse.SUPPRESS)
-    parser.add_argument("--backends", help=argparse.SUPPRESS)
+    parser.add_argument("--backends", help=f"a bias's or decay's backends besides auto's choice, of {','.join(BACKENDS)} "
+                        "(default: all)")
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -394,6 +397,9 @@ def main(argv: list[str] | None = None) -> None:
     bad = sorted(set(args.parts) - {"encodings", "default_job", "sweep"})
     if bad:
         raise SystemExit(f"--parts: unknown {bad}; choose from ['default_job', 'encodings', 'sweep']")
+    unknown_backends = sorted(set(args.backends.split(",")) - set(BACKENDS)) if args.backends else []
+    if unknown_backends:
+        raise SystemExit(f"--backends: unknown {unknown_backends}; choose from {list(BACKENDS)}")
     args.modes = [m for m in args.modes.split(",") if m]
     args.tokens = [int(t) for t in args.tokens.split(",") if t] if args.tokens else []
     args.job_modes = [m for m in args.job_modes.split(",") if m]

@@ -36,9 +36,9 @@ run)
         (( budget > 10 )) || return 0
         timeout $(( budget + 30 )) python3 scripts/gpu_measure.py --budget-s "$budget" --out /tmp/gpu "$@" \
             2>&1 | tee -a "$OUT/measure.log"; keep; }
-    # GPU_PARTS, in order (default: job startup costs tests reference sweep encodings, the issue's unmeasured
-    # targets first; probe and profile on request)
-    for part in ${GPU_PARTS:-job startup costs tests reference sweep encodings}; do
+    # GPU_PARTS, in order (default: job startup tests encodings costs, about 520 s, the issue's unmeasured targets
+    # first; a second call: GPU_PARTS="sweep reference"; probe and profile on request)
+    for part in ${GPU_PARTS:-job startup tests encodings costs}; do
         case "$part" in
         job)  # the README's default job (GPU_JOB_MODES: eager and graphs were measured on an H100 on 2026-11-27;
             # capture, which compiles nothing, not yet)
@@ -66,15 +66,17 @@ run)
             POSBENCH_FAILURE_LOG="$OUT/test_failures.log" timeout $(( $(left) < ${GPU_TESTS_S:-130} ? $(left) : ${GPU_TESTS_S:-130} )) \
                 python3 -m pytest -v -p no:randomly -n 8 --maxprocesses=8 -p no:cacheprovider \
                 tests/test_cuda.py::test_the_captured_step_trains_on_cuda_to_the_uncompiled_losses \
+                tests/test_cuda.py::test_sdpa_with_the_decay_padded_to_a_multiple_of_8_gives_the_cpu_reference \
                 tests/test_cuda.py::test_a_compiled_mode_trains_on_cuda_to_the_uncompiled_losses \
                 tests/test_gpu_slots.py::test_two_concurrent_jobs_run_on_the_gpus_of_their_slots \
                 tests/test_cuda.py::test_a_seeds_gpu_run_trains_and_evaluates_on_the_cpu_runs_sequences \
                 tests/test_cuda.py::test_a_run_on_cuda_records_device_memory 2>&1 | tee "$OUT/tests.log" ;;
-        encodings)  # the issue's targets against nope, every backend, eager then graph-captured (GPU_ENCODINGS;
-            # nope, alibi, sandwich, fox, t5 and fire were measured eager on an H100 on 2026-11-27, kerple on flex
-            # only; GPU_MEASURE_ARGS adds)
-            measure "${GPU_ENCODINGS_S:-$(( $(left) - 25 ))}" --parts encodings \
-                --encodings "${GPU_ENCODINGS:-nope,kerple,cope,dape,stick_breaking}" ${GPU_MEASURE_ARGS:-} ;;
+        encodings)  # the issue's targets against nope (GPU_ENCODINGS; GPU_MEASURE_ARGS replaces the modes and backends).
+            # Default: the rows not measured on an H100 on 2026-11-27 (kerple on sdpa, cope, dape, stick-breaking), and
+            # alibi's and fox's sdpa rows again (their decay padded to heads of 24 since), eager
+            measure "${GPU_ENCODINGS_S:-180}" --parts encodings \
+                --encodings "${GPU_ENCODINGS:-nope,alibi,fox,kerple,cope,dape,stick_breaking}" \
+                ${GPU_MEASURE_ARGS:---modes eager --backends sdpa} ;;
         reference)  # issue 38's encodings on CUDA's backends against the CPU's float64 model (never run on a GPU)
             POSBENCH_FAILURE_LOG="$OUT/reference_failures.log" timeout "${GPU_REFERENCE_S:-70}" python3 -m pytest -q \
                 -p no:randomly -n 8 --maxprocesses=8 -p no:cacheprovider \

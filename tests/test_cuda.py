@@ -16,11 +16,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 CUDA = torch.device("cuda")
 
 
-def on_cuda(reference: Transformer, causal: bool, heads: int) -> Transformer:
-    """The reference model's weights in float32 on CUDA, on the backend `auto` picks there."""
+def on_cuda(reference: Transformer, causal: bool, heads: int, backend: str = "auto") -> Transformer:
+    """The reference model's weights in float32 on CUDA, on the backend `auto` picks there (or the one named)."""
     encoding = copy.deepcopy(reference.encoding).float().to(CUDA)
     cfg = ModelConfig(vocab_size=11, d_model=32, n_layers=2, n_heads=heads, causal=causal)
-    model = Transformer(cfg, encoding, get_backend("auto", encoding, CUDA)).to(CUDA)
+    model = Transformer(cfg, encoding, get_backend(backend, encoding, CUDA)).to(CUDA)
     model.load_state_dict(reference.state_dict())
     return model
 
@@ -33,13 +33,11 @@ def loss_and_grads(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, tar
                                             if p.grad is not None}
 
 
-@pytest.mark.parametrize("heads", [2, 4])  # heads of 16 features (flex where it can) and of 8 (never flex)
-@pytest.mark.parametrize("case,causal", with_layouts(ENCODING_CASES))
-def test_the_cuda_backend_gives_the_cpu_reference(case, causal, heads):
+def compare_with_the_cpu_reference(case, causal: bool, heads: int, backend: str = "auto") -> None:
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 products, so the comparison is the backend's
     torch.backends.cudnn.allow_tf32 = False
     reference = trained_looking_model(case, "eager", causal, heads=heads)
-    model = on_cuda(reference, causal, heads)
+    model = on_cuda(reference, causal, heads, backend)
     gen = torch.Generator().manual_seed(4)
     ids, targets = torch.randint(0, 11, (2, 2, 24), generator=gen)  # 24 tokens: a 4 x 6 grid for 2-D encodings
     pos = positions_for(reference.encoding, 24)
@@ -51,6 +49,18 @@ def test_the_cuda_backend_gives_the_cpu_reference(case, causal, heads):
     for name, want in want_grads.items():  # each gradient within 0.5% of its own size (float32)
         error = (got_grads[name] - want).norm() / want.norm().clamp_min(1e-6)
         assert error < 5e-3, f"{backend}: {name} gradient off by {error:.2e} of its norm"
+
+
+@pytest.mark.parametrize("heads", [2, 4])  # heads of 16 features (flex where it can) and of 8 (never flex)
+@pytest.mark.parametrize("case,causal", with_layouts(ENCODING_CASES))
+def test_the_cuda_backend_gives_the_cpu_reference(case, causal, heads):
+    compare_with_the_cpu_reference(case, causal, heads)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4])  # heads of 32, 16 and 8 features: the decay's column padded to 40, 24, 16
+@pytest.mark.parametrize("name", ["alibi", "fox"])
+def test_sdpa_with_the_decay_padded_to_a_multiple_of_8_gives_the_cpu_reference(name, heads):
+    compare_with_the_cpu_reference(name, True, heads, backend="sdpa")
 
 
 @pytest.mark.parametrize("encoding,precision,heads,backend", [

@@ -105,3 +105,16 @@ def test_a_step_is_timed_eight_times_or_for_half_a_second_and_once_where_it_is_s
     assert not module.timed_enough([0.01] * 7) and not module.timed_enough([0.01] * 8)  # 0.08 s: not yet
     assert module.timed_enough([0.1] * 8) and module.timed_enough([0.001] * module.MOST_STEPS)
     assert module.timed_enough([module.SLOW_STEP_S + 0.1])  # one step of a slow backend is its measurement
+
+
+def test_the_plan_measures_a_bias_or_decay_on_the_named_backends_only():
+    spec = importlib.util.spec_from_file_location("gpu_measure", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    every = {name: backends for name, _, backends in module.encoding_plan(["cope", "alibi"])}
+    assert every == {"nope": "auto", "alibi": "auto,sdpa,flex,eager", "cope": "auto"}  # nope first, targets next
+    named = {name: backends for name, _, backends in module.encoding_plan(["cope", "alibi"], ["sdpa"])}
+    assert named == {"nope": "auto", "alibi": "auto,sdpa", "cope": "auto"}
+    refused = subprocess.run([sys.executable, str(SCRIPT), "--backends", "sdpa,triton"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "--backends: unknown ['triton']" in refused.stderr
