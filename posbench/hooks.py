@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The attention backends' names, declared here only: the fastest first, eager (runs every hook: the reference) last
-SDPA, FLEX, EAGER = "sdpa", "flex", "eager"
-BACKEND_NAMES = (SDPA, FLEX, EAGER)
+# The attention backends' names, declared here only: the fastest first, eager (runs every hook: the reference) last.
+# fla (fla-core's Triton kernel for a decay, CUDA only, an optional extra) is named outright, never chosen by auto.
+SDPA, FLEX, FLA, EAGER = "sdpa", "flex", "fla", "eager"
+BACKEND_NAMES = (SDPA, FLEX, FLA, EAGER)
 ALL_BACKENDS = frozenset(BACKEND_NAMES)
 
 
@@ -50,7 +51,7 @@ HOOKS: dict[str, Hook] = {hook.name: hook for hook in (
          "(call.layer_state; selective attention's selection sums)", ALL_BACKENDS, False, "one"),
     Hook("decay", "a causal bias c_i - c_j from per-token levels c (ALiBi causal, FoX's forget gates)",
          ALL_BACKENDS, False, "sum"),
-    Hook("bias", "a [B', H, Lq, Lk] bias on the scaled logits", ALL_BACKENDS, True, "sum"),
+    Hook("bias", "a [B', H, Lq, Lk] bias on the scaled logits", frozenset({SDPA, FLEX, EAGER}), True, "sum"),
     Hook("key_term", "a content-dependent logit term (q against position vectors)", frozenset({EAGER}), True,
          "sum"),
     Hook("logit_transform", "every head's logits at once, before the mask (CoPE, DAPE)", frozenset({EAGER}),

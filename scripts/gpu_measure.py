@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))  # run as a file: import posbench and tasks from t
 
 from posbench.attention.crossover import MODES as TABLE_MODES, device_slug  # noqa: E402
 from posbench.hooks import BACKEND_NAMES as BACKENDS  # noqa: E402
+from posbench.hooks import FLA, backend_hooks  # noqa: E402
 
 RESULT_MARK = "GPU_MEASURE "  # a child's lines of output the parent reads
 BASELINE = "nope"
@@ -198,12 +199,14 @@ def encoding_plan(names: list[str], backends: list[str] | None = None) -> list[t
     from posbench.encodings import REGISTRY
 
     order = [BASELINE] + [n for n in TARGETS if n in names] + [n for n in names if n not in TARGETS]
-    candidates = [b for b in BACKENDS if not backends or b in backends]
+    candidates = [b for b in BACKENDS if b in backends] if backends else [b for b in BACKENDS if b != FLA]
     plan = []
     for name in dict.fromkeys(order):
-        crossover = bool(set(REGISTRY[name].hooks) & {"bias", "decay"})
+        hooks = set(REGISTRY[name].hooks) - {"embed"}
+        crossover = bool(hooks & {"bias", "decay"})
+        runnable = [b for b in candidates if hooks <= backend_hooks(b)]
         plan.append((name, list(TOKENS) + ([LONG_TOKENS] if crossover or name == BASELINE else []),
-                     ",".join(["auto", *candidates]) if crossover else "auto"))
+                     ",".join(["auto", *runnable]) if crossover else "auto"))
     return plan
 
 
@@ -387,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--encoding", help=argparse.SUPPRESS)
     parser.add_argument("--backends", help=f"a bias's or decay's backends besides auto's choice, of {','.join(BACKENDS)} "
-                        "(default: all)")
+                        "(default: all but fla, an optional extra; each where it runs the encoding's hooks)")
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:

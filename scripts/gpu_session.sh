@@ -9,7 +9,7 @@
 # folder's README says what each call ran.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHEELS=(hydra-core==1.3.8 omegaconf==2.3.1 hydra-joblib-launcher==1.2.0)
+WHEELS=(hydra-core==1.3.8 omegaconf==2.3.1 hydra-joblib-launcher==1.2.0 fla-core==0.6.0 einops==0.8.1)  # fla: backend=fla
 case "${1:-}" in
 fetch)
     grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
@@ -67,16 +67,17 @@ run)
                 python3 -m pytest -v -p no:randomly -n 8 --maxprocesses=8 -p no:cacheprovider \
                 tests/test_cuda.py::test_the_captured_step_trains_on_cuda_to_the_uncompiled_losses \
                 tests/test_cuda.py::test_sdpa_with_the_decay_padded_to_a_multiple_of_8_gives_the_cpu_reference \
+                tests/test_cuda.py::test_fla_gives_the_cpu_reference \
                 tests/test_cuda.py::test_a_compiled_mode_trains_on_cuda_to_the_uncompiled_losses \
                 tests/test_gpu_slots.py::test_two_concurrent_jobs_run_on_the_gpus_of_their_slots \
                 tests/test_cuda.py::test_a_seeds_gpu_run_trains_and_evaluates_on_the_cpu_runs_sequences \
                 tests/test_cuda.py::test_a_run_on_cuda_records_device_memory 2>&1 | tee "$OUT/tests.log" ;;
         encodings)  # the issue's targets against nope (GPU_ENCODINGS; GPU_MEASURE_ARGS replaces the modes and backends).
             # Default: the rows not measured on an H100 on 2026-11-27 (kerple on sdpa, cope, dape, stick-breaking), and
-            # alibi's and fox's sdpa rows again (their decay padded to heads of 24 since), eager
+            # alibi's and fox's sdpa rows again (their decay padded to heads of 24 since) and on fla, eager
             measure "${GPU_ENCODINGS_S:-180}" --parts encodings \
                 --encodings "${GPU_ENCODINGS:-nope,alibi,fox,kerple,cope,dape,stick_breaking}" \
-                ${GPU_MEASURE_ARGS:---modes eager --backends sdpa} ;;
+                ${GPU_MEASURE_ARGS:---modes eager --backends sdpa,fla} ;;
         reference)  # issue 38's encodings on CUDA's backends against the CPU's float64 model (never run on a GPU)
             POSBENCH_FAILURE_LOG="$OUT/reference_failures.log" timeout "${GPU_REFERENCE_S:-70}" python3 -m pytest -q \
                 -p no:randomly -n 8 --maxprocesses=8 -p no:cacheprovider \

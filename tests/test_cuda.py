@@ -3,6 +3,7 @@ backend the runner picks for it on CUDA (compiled flex for biases and decays wit
 logits and gradients of the float64 eager model on the CPU; a run on cuda records device memory, and bf16
 autocast trains to finite losses."""
 import copy
+import importlib.util
 import math
 
 import pytest
@@ -55,6 +56,14 @@ def compare_with_the_cpu_reference(case, causal: bool, heads: int, backend: str 
 @pytest.mark.parametrize("case,causal", with_layouts(ENCODING_CASES))
 def test_the_cuda_backend_gives_the_cpu_reference(case, causal, heads):
     compare_with_the_cpu_reference(case, causal, heads)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="fla-core is not installed: pip install 'posbench[fla]'")
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("name", ["alibi", "fox", "nope"])
+def test_fla_gives_the_cpu_reference(name, heads, monkeypatch):
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")  # float32 products in the Triton kernels too (TF32 otherwise)
+    compare_with_the_cpu_reference(name, True, heads, backend="fla")
 
 
 @pytest.mark.parametrize("heads", [1, 2, 4])  # heads of 32, 16 and 8 features: the decay's column padded to 40, 24, 16

@@ -277,10 +277,10 @@ def test_backends_refuse_hooks_they_cannot_run():
     with pytest.raises(ValueError, match=r"backend=sdpa cannot run the \['prob'\].*use backend=eager"):
         get_backend("sdpa").check(enc)
     get_backend("eager").check(enc)
-    assert set(BACKENDS) == {"eager", "flex", "sdpa"}
+    assert set(BACKENDS) == {"eager", "fla", "flex", "sdpa"}
     assert get_backend("auto", enc).name == "eager"
     assert get_backend("auto", make_encoding("alibi")).name == "sdpa"
-    with pytest.raises(ValueError, match=r"backend.name='flash' is not valid.*\['auto', 'eager', 'flex', 'sdpa'\]"):
+    with pytest.raises(ValueError, match=r"backend.name='flash' is not valid.*\['auto', 'eager', 'fla', 'flex', 'sdpa'\]"):
         get_backend("flash")
 
 

@@ -128,7 +128,7 @@ BAD = [  # overrides -> the start of the message (the key and the value as given
     (["+sed=4"], "sed is not a setting; the settings: ['backend', 'device', "),
     (["logger=wandb", "logger.tags=notalist"], "logger.tags='notalist': must be a list of strings, e.g. [a,b]"),
     (["logger=wandb", "logger.mode=loud"], "logger.mode='loud' is not valid; choose one of ['online', 'offline', "),
-    (["backend.name=fast"], "backend.name='fast' is not valid; choose one of ['auto', 'eager', 'flex', 'sdpa']"),
+    (["backend.name=fast"], "backend.name='fast' is not valid; choose one of ['auto', 'eager', 'fla', 'flex', 'sdpa']"),
 ]
 
 

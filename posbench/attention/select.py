@@ -6,14 +6,16 @@ import torch
 from posbench.attention import crossover
 from posbench.attention.backend import Backend
 from posbench.attention.eager import EagerBackend
+from posbench.attention.fla import FlaBackend, fla_refusal
 from posbench.attention.flex import IN_DYNAMIC_COMPILE, FlexBackend, flex_refusal
 from posbench.attention.sdpa import SdpaBackend
 from posbench.checks import Choice
 from posbench.encodings.base import Encoding
-from posbench.hooks import EAGER, FLEX, SDPA
+from posbench.hooks import EAGER, FLA, FLEX, SDPA
 from posbench.settings import BACKEND_CHOICES
 
-BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (EagerBackend, SdpaBackend, FlexBackend)}
+BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (EagerBackend, SdpaBackend, FlexBackend,
+                                                                 FlaBackend)}
 
 
 def get_backend(name: str, encoding: Encoding | None = None, device: torch.device | None = None,
@@ -69,6 +71,8 @@ def runnable(encoding: Encoding, device, training: bool, dynamic_compile: bool, 
             continue
         if name == FLEX and flex_refusal(encoding, head_dim(encoding), on_cuda(device), training, dynamic_compile):
             continue
+        if name == FLA and (fla_refusal(on_cuda(device)) or not encoding.dims.causal):
+            continue
         names.append(name)
     return names
 
@@ -82,6 +86,10 @@ def measured_backend(name: str, encoding: Encoding, device, tokens: int, compile
     chosen = get_backend(name, encoding, device, dynamic_compile=dynamic_compile, training=training)
     if chosen.name == FLEX:  # named outright (auto takes flex only where it runs): refused before training
         refusal = flex_refusal(encoding, head_dim(encoding), on_cuda(device), training, dynamic_compile)
+        if refusal:
+            raise ValueError(refusal)
+    if chosen.name == FLA:  # named outright: refused before training where it cannot run
+        refusal = fla_refusal(on_cuda(device))
         if refusal:
             raise ValueError(refusal)
     path = crossover.table_path(device) if name == "auto" else None

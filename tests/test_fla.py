@@ -1,0 +1,83 @@
+"""backend=fla (fla-core's Triton kernel for a per-token decay, CUDA only): where it is refused, and its wiring
+(the decay's levels to per-token log decays, the layouts, the scale, the hooks around the kernel) against the
+eager backend, with the kernel replaced on the CPU by forgetting attention written from its formula. The kernel
+itself is compared with the CPU's float64 reference on a GPU (tests/test_cuda.py)."""
+import pytest
+import torch
+
+from posbench.attention import fla, get_backend
+from posbench.attention.select import measured_backend
+from posbench.model import ModelConfig, Transformer
+from tests.helpers import assert_close_scaled, make_encoding
+
+
+def forgetting_attention_by_formula(q, k, v, g, scale):
+    """softmax_j(scale q_i.k_j + G_i - G_j) v_j over j <= i, G the cumulative sum of g: q, k [B, L, H, K],
+    v [B, L, H, V], g [B, L, H] -> [B, L, H, V]."""
+    G = g.to(q.dtype).cumsum(1).transpose(1, 2)  # [B, H, L]
+    logits = scale * torch.einsum("bihd,bjhd->bhij", q, k) + G[..., :, None] - G[..., None, :]  # [B, H, L, L]
+    length = q.shape[1]
+    hidden = torch.ones(length, length, dtype=torch.bool).triu(1)  # j > i
+    p = logits.masked_fill(hidden, float("-inf")).softmax(-1)  # [B, H, L, L]
+    return torch.einsum("bhij,bjhd->bihd", p, v)
+
+
+def model(name: str, backend: str, **params) -> Transformer:
+    encoding = make_encoding(name, d_model=16, n_heads=2, **params)
+    torch.manual_seed(0)
+    net = Transformer(ModelConfig(vocab_size=11, d_model=16, n_layers=2, n_heads=2), encoding,
+                      get_backend(backend, encoding)).double()
+    for gate in getattr(encoding, "gates", []):  # gates far from f = 0.5: the decay differs per token and head
+        torch.nn.init.normal_(gate.weight, std=1.0)
+    return net
+
+
+@pytest.mark.parametrize("name,params", [("fox", {}), ("fox", {"output_norm": True, "output_gate": True}),
+                                         ("alibi", {}), ("nope", {})])
+def test_the_fla_wiring_gives_the_eager_logits_and_gradients(name, params, monkeypatch):
+    monkeypatch.setattr(fla, "fla_refusal", lambda cuda: None)  # the CPU stands in for CUDA
+    monkeypatch.setattr(fla, "forgetting_attention", forgetting_attention_by_formula)
+    ids = torch.randint(0, 11, (2, 21), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(21)[None] + 2
+    results = {}
+    for backend in ("eager", "fla"):
+        net = model(name, backend, **params).train()
+        logits = net(ids, pos)
+        logits.sin().sum().backward()
+        results[backend] = logits.detach(), {n: p.grad for n, p in net.named_parameters()}
+    # the kernel takes its decays in float32 (the models here are float64): agreement to float32's rounding
+    assert_close_scaled(results["fla"][0], results["eager"][0], rtol=0, atol_scale=1e-6, name="logits")
+    for parameter, grad in results["eager"][1].items():
+        assert_close_scaled(results["fla"][1][parameter], grad, rtol=1e-5, atol_scale=1e-6, name=parameter)
+    if name == "fox":
+        assert results["fla"][1]["encoding.gates.0.weight"].abs().sum() > 0  # the gates learn through the kernel
+
+
+def test_per_token_decays_sum_to_the_level_differences():
+    levels = torch.randn(1, 3, 9, dtype=torch.float64).cumsum(-1) * 50  # [1, H, L]
+    g = fla.token_log_decay(levels, batch=2)  # [B, L, H]
+    assert g.shape == (2, 9, 3) and g.dtype == torch.float32 and not g[:, 0].any()
+    G = g.double().cumsum(1).transpose(1, 2)  # [B, H, L]
+    want = levels[..., :, None] - levels[..., None, :]  # c_i - c_j
+    assert_close_scaled(G[..., :, None] - G[..., None, :], want.expand(2, -1, -1, -1), rtol=1e-6, atol_scale=1e-6,
+                        name="G_i - G_j")
+
+
+def test_fla_is_refused_where_it_cannot_run(monkeypatch):
+    fox = make_encoding("fox", d_model=32)
+    with pytest.raises(ValueError, match="backend=fla runs on CUDA only"):
+        measured_backend("fla", fox, torch.device("cpu"), tokens=16)
+    monkeypatch.setattr(fla.importlib.util, "find_spec", lambda name: None)
+    assert "pip install 'posbench[fla]'" in fla.fla_refusal(True)
+    with pytest.raises(ValueError, match=r"cannot run the \['bias'\] hook.*backends that can: \['sdpa', 'flex', "
+                                         r"'eager'\]"):
+        t5 = make_encoding("t5", d_model=32)
+        get_backend("fla", t5).check(t5)
+    bidirectional = make_encoding("fox", d_model=32, causal=False)
+    with pytest.raises(ValueError, match="causal attention only"):
+        get_backend("fla", bidirectional).check(bidirectional)
+
+
+def test_auto_never_picks_fla():
+    for name in ("fox", "alibi", "nope"):
+        assert get_backend("auto", make_encoding(name, d_model=32), torch.device("cpu")).name != "fla"
