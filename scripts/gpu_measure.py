@@ -47,8 +47,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a file: import posbench and tasks from this checkout
 
 from posbench.attention.crossover import MODES as TABLE_MODES, device_slug  # noqa: E402
-from posbench.hooks import BACKEND_NAMES as BACKENDS  # noqa: E402
-from posbench.hooks import FLA, backend_hooks  # noqa: E402
+from posbench.attention.fla import fla_runs  # noqa: E402
+from posbench.hooks import BACKEND_NAMES as BACKENDS, FLA, backend_hooks  # noqa: E402
 
 RESULT_MARK = "GPU_MEASURE "  # a child's lines of output the parent reads
 BASELINE = "nope"
@@ -202,11 +202,14 @@ def encoding_plan(names: list[str], backends: list[str] | None = None) -> list[t
     candidates = [b for b in BACKENDS if b in backends] if backends else [b for b in BACKENDS if b != FLA]
     plan = []
     for name in dict.fromkeys(order):
-        hooks = set(REGISTRY[name].hooks) - {"embed"}
+        cls = REGISTRY[name]
+        hooks = set(cls.hooks) - {"embed"}
         crossover = bool(hooks & {"bias", "decay"})
-        runnable = [b for b in candidates if hooks <= backend_hooks(b)]
+        runnable = [b for b in candidates if (not fla_runs(cls) if b == FLA else hooks <= backend_hooks(b))]
+        if not crossover:  # one backend of its own besides auto's: fla's kernel for its normalize (stick-breaking)
+            runnable = [b for b in runnable if b == FLA and cls.fla_normalize]
         plan.append((name, list(TOKENS) + ([LONG_TOKENS] if crossover or name == BASELINE else []),
-                     ",".join(["auto", *runnable]) if crossover else "auto"))
+                     ",".join(["auto", *runnable])))
     return plan
 
 

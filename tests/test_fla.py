@@ -1,6 +1,6 @@
-"""backend=fla (fla-core's Triton kernel for a per-token decay, CUDA only): where it is refused, and its wiring
-(the decay's levels to per-token log decays, the layouts, the scale, the hooks around the kernel) against the
-eager backend, with the kernel replaced on the CPU by forgetting attention written from its formula. The kernel
+"""backend=fla (fla-core's Triton kernels for a per-token decay and for stick-breaking, CUDA only): where it is
+refused, and its wiring (the decay's levels to per-token log decays, the remainder term, the layouts, the scale,
+the hooks around the kernel) against the eager backend, with the kernels replaced on the CPU by their formulas. The kernel
 itself is compared with the CPU's float64 reference on a GPU (tests/test_cuda.py)."""
 import pytest
 import torch
@@ -20,6 +20,20 @@ def forgetting_attention_by_formula(q, k, v, g, scale):
     hidden = torch.ones(length, length, dtype=torch.bool).triu(1)  # j > i
     p = logits.masked_fill(hidden, float("-inf")).softmax(-1)  # [B, H, L, L]
     return torch.einsum("bhij,bjhd->bihd", p, v)
+
+
+def stick_breaking_by_formula(q, k, v, scale, attend_current):
+    """A_ij = sigmoid(z_ij) prod_{j < l < i} (1 - sigmoid(z_il)) (l <= i and j <= i with attend_current), z = scale
+    q_i.k_j, as products; r_i = 1 - sum_j A_ij: q, k [B, L, H, K], v [B, L, H, V] -> ([B, L, H, V], [B, L, H])."""
+    beta = torch.sigmoid(scale * torch.einsum("bihd,bjhd->bhij", q, k))  # [B, H, L, L]
+    length = q.shape[1]
+    weights = torch.zeros_like(beta)
+    for i in range(length):
+        stick = torch.ones_like(beta[..., i, 0])  # [B, H]: what the keys nearer the query left
+        for j in range(i if attend_current else i - 1, -1, -1):
+            weights[..., i, j] = beta[..., i, j] * stick
+            stick = stick * (1 - beta[..., i, j])
+    return torch.einsum("bhij,bjhd->bihd", weights, v), (1 - weights.sum(-1)).transpose(1, 2)
 
 
 def model(name: str, backend: str, **params) -> Transformer:
@@ -53,6 +67,25 @@ def test_the_fla_wiring_gives_the_eager_logits_and_gradients(name, params, monke
         assert results["fla"][1]["encoding.gates.0.weight"].abs().sum() > 0  # the gates learn through the kernel
 
 
+@pytest.mark.parametrize("remainder", ["value", "learned", "none"])
+@pytest.mark.parametrize("attend_current", [False, True])
+def test_the_fla_stick_breaking_wiring_gives_the_eager_logits_and_gradients(remainder, attend_current, monkeypatch):
+    monkeypatch.setattr(fla, "fla_refusal", lambda cuda: None)  # the CPU stands in for CUDA
+    monkeypatch.setattr(fla, "stick_breaking_attention", stick_breaking_by_formula)
+    ids = torch.randint(0, 11, (2, 12), generator=torch.Generator().manual_seed(6))
+    results = {}
+    for backend in ("eager", "fla"):
+        net = model("stick_breaking", backend, remainder=remainder, attend_current=attend_current).train()
+        if remainder == "learned":
+            torch.nn.init.normal_(net.encoding.head_bias, generator=torch.Generator().manual_seed(7))
+        logits = net(ids, torch.arange(12)[None])
+        logits.sin().sum().backward()
+        results[backend] = logits.detach(), {n: p.grad for n, p in net.named_parameters()}
+    assert_close_scaled(results["fla"][0], results["eager"][0], rtol=0, atol_scale=1e-12, name="logits")
+    for parameter, grad in results["eager"][1].items():
+        assert_close_scaled(results["fla"][1][parameter], grad, rtol=1e-9, atol_scale=1e-11, name=parameter)
+
+
 def test_per_token_decays_sum_to_the_level_differences():
     levels = torch.randn(1, 3, 9, dtype=torch.float64).cumsum(-1) * 50  # [1, H, L]
     g = fla.token_log_decay(levels, batch=2)  # [B, L, H]
@@ -73,11 +106,17 @@ def test_fla_is_refused_where_it_cannot_run(monkeypatch):
                                          r"'eager'\]"):
         t5 = make_encoding("t5", d_model=32)
         get_backend("fla", t5).check(t5)
+    dape = make_encoding("dape", d_model=32)  # a logit transform: no fla kernel
+    with pytest.raises(ValueError, match=r"backend=fla cannot run the \['logit_transform'\] hook"):
+        get_backend("fla", dape).check(dape)
+    stick_and_decay = make_encoding("composite", d_model=32, parts=["stick_breaking", "alibi"])
+    with pytest.raises(ValueError, match=r"backend=fla cannot run the \['normalize'\] hook"):  # a composite: not the kernel
+        get_backend("fla", stick_and_decay).check(stick_and_decay)
     bidirectional = make_encoding("fox", d_model=32, causal=False)
     with pytest.raises(ValueError, match="causal attention only"):
         get_backend("fla", bidirectional).check(bidirectional)
 
 
 def test_auto_never_picks_fla():
-    for name in ("fox", "alibi", "nope"):
+    for name in ("fox", "alibi", "nope", "stick_breaking"):
         assert get_backend("auto", make_encoding(name, d_model=32), torch.device("cpu")).name != "fla"

@@ -1,13 +1,16 @@
-"""The fla backend: flash-linear-attention's Triton kernel for causal softmax attention with a per-token log
-decay (`fla.ops.forgetting_attn.parallel_forgetting_attn`, from fla-core: `pip install posbench[fla]`), on
-CUDA only. It runs the `decay` hook, FoX's forget gates and causal ALiBi's slopes, inside the kernel: the
-logits get G_i - G_j, G the cumulative sum of the per-token decays g, which are the differences of the
-encoding's levels c (c_i - c_j = G_i - G_j). No [B, H, L, L] tensor is formed, and the whole call is one
-kernel whatever its length.
+"""The fla backend: flash-linear-attention's Triton kernels (fla-core: `pip install posbench[fla]`), on CUDA only,
+for two kinds of attention that otherwise form [B, H, L, L] tensors. Each call is one kernel whatever its length.
 
-It takes a call whose queries are its keys (no memory before them, no query blocks) and no sliding window;
-hooks that need logits (a bias, a logit transform, ...) stay with sdpa, flex or eager. posbench's sdpa and
-eager paths are the reference it is tested against on a GPU (tests/test_cuda.py).
+- A decay (`parallel_forgetting_attn`): FoX's forget gates and causal ALiBi's slopes. The logits get G_i - G_j,
+  G the cumulative sum of the per-token decays g, which are the differences of the encoding's levels c
+  (c_i - c_j = G_i - G_j).
+- Stick-breaking (`parallel_stickbreaking_attn`), for an encoding whose normalize hook is that kernel's
+  attention (`Encoding.fla_normalize`): the same weights, and the unclaimed share r_i the kernel returns
+  goes to the encoding's remainder term.
+
+It takes a call whose queries are its keys (no memory before them, no query blocks), causal, with no sliding
+window; hooks that need logits (a bias, a logit transform, ...) stay with sdpa, flex or eager. posbench's own
+backends are the reference it is tested against on a GPU (tests/test_cuda.py).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import importlib.util
 import torch
 
 from posbench.attention.backend import Backend
-from posbench.hooks import FLA, backend_hooks
+from posbench.hooks import FLA, backend_hooks, backends_for
 
 EXTRA = "pip install 'posbench[fla]'"
 
@@ -44,6 +47,21 @@ def forgetting_attention(q, k, v, g, scale: float) -> torch.Tensor:
     return parallel_forgetting_attn(q, k, v, g, scale=scale)
 
 
+def stick_breaking_attention(q, k, v, scale: float, attend_current: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla-core's kernel: q, k [B, L, H, K], v [B, L, H, V] -> (sum_j A_ij v_j [B, L, H, V], r [B, L, H])."""
+    from fla.ops.stickbreaking_attn import parallel_stickbreaking_attn
+
+    return parallel_stickbreaking_attn(q, k, v, scale=scale, attend_current=attend_current)
+
+
+def fla_runs(encoding) -> set[str]:
+    """The hooks of `encoding` (an instance or its class) that backend=fla cannot run: empty where it runs it."""
+    hooks = set(encoding.hooks) - {"embed"} - backend_hooks(FLA)
+    if encoding.fla_normalize == "stick_breaking" and not set(encoding.hooks) & {"decay"}:
+        hooks.discard("normalize")  # the stick-breaking kernel takes no decay
+    return hooks
+
+
 class FlaBackend(Backend):
     name = FLA
     supported_hooks = backend_hooks(name)
@@ -51,7 +69,11 @@ class FlaBackend(Backend):
     runs_windows = False
 
     def check(self, encoding) -> None:
-        super().check(encoding)
+        missing = fla_runs(encoding)
+        if missing:
+            valid = [name for name in backends_for(set(encoding.hooks) - {"embed"}) if name != self.name]
+            raise ValueError(f"backend=fla cannot run the {sorted(missing)} hook(s) that encoding {encoding.name} "
+                             f"needs; use backend={valid[0]} (backends that can: {valid})")
         if not encoding.dims.causal:
             raise ValueError("backend=fla runs causal attention only; a bidirectional model: use backend=sdpa")
 
@@ -62,11 +84,16 @@ class FlaBackend(Backend):
         if not call.causal or q.shape[-2] != k.shape[-2]:
             raise ValueError("backend=fla runs causal attention whose queries are its keys (no memory before them, "
                              "no bidirectional layer); use backend=sdpa")
-        batch = q.shape[0]
+        encoding, batch = call.encoding, q.shape[0]
+        scale = encoding.logit_scale(q.shape[-1])
+        q_, k_, v_ = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, L, H, d] each
+        if "normalize" in encoding.hooks:  # stick-breaking (fla_runs admits no other normalize)
+            out, rest = stick_breaking_attention(q_, k_, v_, scale, encoding.attend_current)  # [B, L, H, d], [B, L, H]
+            out = out.transpose(1, 2)  # [B, H, L, d]
+            term = encoding.remainder_term(rest.transpose(1, 2)[..., None].to(v.dtype), v, call)  # [B, H, L, d]
+            return out.to(v.dtype) if term is None else out.to(v.dtype) + term
         if call.k_levels is None:  # no decay: plain causal attention
             g = q.new_zeros(batch, q.shape[-2], q.shape[1], dtype=torch.float32)  # [B, L, H]
         else:
             g = token_log_decay(call.k_levels, batch)  # [B, L, H]
-        scale = call.encoding.logit_scale(q.shape[-1])
-        out = forgetting_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g, scale)  # [B, L, H, d]
-        return out.transpose(1, 2).to(v.dtype)  # [B, H, L, d]
+        return forgetting_attention(q_, k_, v_, g, scale).transpose(1, 2).to(v.dtype)  # [B, H, L, d]

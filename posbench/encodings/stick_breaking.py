@@ -45,6 +45,7 @@ class StickBreaking(Encoding):
     name = "stick_breaking"
     hooks = frozenset({"normalize"})
     relative = True  # reads no positions at all
+    fla_normalize = "stick_breaking"  # fla-core's parallel_stickbreaking_attn: the same weights and remainder
 
     def __init__(self, dims: ModelDims, remainder: str = "value", attend_current: bool = False):
         super().__init__(dims)
@@ -71,13 +72,17 @@ class StickBreaking(Encoding):
             takes = takes & visible
         compute = torch.promote_types(logits.dtype, torch.float32)
         weights, log_rest = BrokenStick.apply(logits.to(compute), takes)  # A: [B, H, Lq, Lk], log r: [B, H, Lq, 1]
+        return weights.to(v.dtype), self.remainder_term(log_rest.exp(), v, call)  # [B, H, Lq, Lk], [B, H, Lq, d]
+
+    def remainder_term(self, rest: torch.Tensor, v: torch.Tensor, call) -> torch.Tensor | None:
+        """r_i u from the unclaimed shares r [B, H, Lq, 1] (None for remainder: none): [B, H, Lq, d]."""
         if self.remainder == "none":
-            return weights.to(v.dtype), None
+            return None
         if self.remainder == "value":
-            u = v[..., call.q_start:call.q_start + lq, :]  # v_i: [B, H, Lq, d]
+            u = v[..., call.q_start:call.q_start + rest.shape[-2], :]  # v_i: [B, H, Lq, d]
         else:
             u = self.head_bias[:, None, :]  # [H, 1, d]
-        return weights.to(v.dtype), (log_rest.exp() * u).to(v.dtype)  # [B, H, Lq, Lk], [B, H, Lq, d]
+        return (rest * u).to(v.dtype)
 
 
 class BrokenStick(torch.autograd.Function):
