@@ -206,8 +206,8 @@ def encoding_plan(names: list[str], backends: list[str] | None = None) -> list[t
         hooks = set(cls.hooks) - {"embed"}
         crossover = bool(hooks & {"bias", "decay"})
         runnable = [b for b in candidates if (not fla_runs(cls) if b == FLA else hooks <= backend_hooks(b))]
-        if not crossover:  # one backend of its own besides auto's: fla's kernel for its normalize (stick-breaking)
-            runnable = [b for b in runnable if b == FLA and cls.fla_normalize]
+        if not crossover:  # one backend of its own besides auto's: fla's kernel for its attention (stick-breaking, PaTH)
+            runnable = [b for b in runnable if b == FLA and cls.fla_kernel]
         plan.append((name, list(TOKENS) + ([LONG_TOKENS] if crossover or name == BASELINE else []),
                      ",".join(["auto", *runnable])))
     return plan

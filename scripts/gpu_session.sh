@@ -74,9 +74,10 @@ run)
                 tests/test_cuda.py::test_a_run_on_cuda_records_device_memory 2>&1 | tee "$OUT/tests.log" ;;
         encodings)  # the issue's targets against nope (GPU_ENCODINGS; GPU_MEASURE_ARGS replaces the modes and backends).
             # Default: the rows not measured on an H100 on 2026-11-27 (kerple on sdpa, cope, dape, stick-breaking), and
-            # alibi's and fox's sdpa rows again (their decay padded to heads of 24 since) and on fla, eager
+            # alibi's and fox's sdpa rows again (their decay padded to heads of 24 since); fla for them, stick-breaking
+            # and PaTH; eager
             measure "${GPU_ENCODINGS_S:-180}" --parts encodings \
-                --encodings "${GPU_ENCODINGS:-nope,alibi,fox,kerple,cope,dape,stick_breaking}" \
+                --encodings "${GPU_ENCODINGS:-nope,alibi,fox,kerple,cope,dape,stick_breaking,path}" \
                 ${GPU_MEASURE_ARGS:---modes eager --backends sdpa,fla} ;;
         reference)  # issue 38's encodings on CUDA's backends against the CPU's float64 model (never run on a GPU)
             POSBENCH_FAILURE_LOG="$OUT/reference_failures.log" timeout "${GPU_REFERENCE_S:-70}" python3 -m pytest -q \

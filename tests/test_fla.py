@@ -1,4 +1,4 @@
-"""backend=fla (fla-core's Triton kernels for a per-token decay and for stick-breaking, CUDA only): where it is
+"""backend=fla (fla-core's Triton kernels for a per-token decay, stick-breaking and PaTH, CUDA only): where it is
 refused, and its wiring (the decay's levels to per-token log decays, the remainder term, the layouts, the scale,
 the hooks around the kernel) against the eager backend, with the kernels replaced on the CPU by their formulas. The kernel
 itself is compared with the CPU's float64 reference on a GPU (tests/test_cuda.py)."""
@@ -34,6 +34,19 @@ def stick_breaking_by_formula(q, k, v, scale, attend_current):
             weights[..., i, j] = beta[..., i, j] * stick
             stick = stick * (1 - beta[..., i, j])
     return torch.einsum("bhij,bjhd->bihd", weights, v), (1 - weights.sum(-1)).transpose(1, 2)
+
+
+def path_by_formula(q, k, v, w, beta, scale):
+    """softmax_j(scale q_i^T H_i H_(i-1) ... H_(j+1) k_j) v_j over j <= i, H_t = I - beta_t w_t w_t^T, the product
+    carried back from the query one transform at a time: q, k, w [B, L, H, K], v [B, L, H, V], beta [B, L, H]."""
+    length = q.shape[1]
+    logits = torch.full((*q.shape[:1], q.shape[2], length, length), float("-inf"), dtype=q.dtype)  # [B, H, L, L]
+    for i in range(length):
+        carried = q[:, i]  # [B, H, K]: H_(j+1) ... H_i q_i, H symmetric
+        for j in range(i, -1, -1):
+            logits[..., i, j] = scale * (carried * k[:, j]).sum(-1)
+            carried = carried - beta[:, j, :, None] * w[:, j] * (w[:, j] * carried).sum(-1, keepdim=True)
+    return torch.einsum("bhij,bjhd->bihd", logits.softmax(-1), v)
 
 
 def model(name: str, backend: str, **params) -> Transformer:
@@ -86,6 +99,24 @@ def test_the_fla_stick_breaking_wiring_gives_the_eager_logits_and_gradients(rema
         assert_close_scaled(results["fla"][1][parameter], grad, rtol=1e-9, atol_scale=1e-11, name=parameter)
 
 
+def test_the_fla_path_wiring_gives_the_eager_logits_and_gradients(monkeypatch):
+    monkeypatch.setattr(fla, "fla_refusal", lambda cuda: None)  # the CPU stands in for CUDA
+    monkeypatch.setattr(fla, "path_attention", path_by_formula)
+    ids = torch.randint(0, 11, (2, 10), generator=torch.Generator().manual_seed(8))
+    results = {}
+    for backend in ("eager", "fla"):
+        net = model("path", backend).train()
+        for parameter in net.encoding.parameters():  # transforms far from the identity
+            torch.nn.init.normal_(parameter, std=0.5, generator=torch.Generator().manual_seed(9))
+        logits = net(ids, torch.arange(10)[None])
+        logits.sin().sum().backward()
+        results[backend] = logits.detach(), {n: p.grad for n, p in net.named_parameters()}
+    assert_close_scaled(results["fla"][0], results["eager"][0], rtol=0, atol_scale=1e-12, name="logits")
+    for parameter, grad in results["eager"][1].items():
+        assert_close_scaled(results["fla"][1][parameter], grad, rtol=1e-9, atol_scale=1e-11, name=parameter)
+    assert results["fla"][1]["encoding.beta.0.weight"].abs().sum() > 0  # the transforms learn through the kernel
+
+
 def test_per_token_decays_sum_to_the_level_differences():
     levels = torch.randn(1, 3, 9, dtype=torch.float64).cumsum(-1) * 50  # [1, H, L]
     g = fla.token_log_decay(levels, batch=2)  # [B, L, H]
@@ -118,5 +149,5 @@ def test_fla_is_refused_where_it_cannot_run(monkeypatch):
 
 
 def test_auto_never_picks_fla():
-    for name in ("fox", "alibi", "nope", "stick_breaking"):
+    for name in ("fox", "alibi", "nope", "stick_breaking", "path"):
         assert get_backend("auto", make_encoding(name, d_model=32), torch.device("cpu")).name != "fla"

@@ -113,10 +113,10 @@ def test_the_plan_measures_a_bias_or_decay_on_the_named_backends_only():
     spec.loader.exec_module(module)
     every = {name: backends for name, _, backends in module.encoding_plan(["cope", "alibi"])}
     assert every == {"nope": "auto", "alibi": "auto,sdpa,flex,eager", "cope": "auto"}  # nope first, targets next
-    named = {name: backends for name, _, backends in module.encoding_plan(["cope", "alibi", "t5", "stick_breaking"],
-                                                                          ["sdpa", "fla"])}
+    named = {name: backends for name, _, backends in module.encoding_plan(
+        ["cope", "alibi", "t5", "stick_breaking", "path"], ["sdpa", "fla"])}
     assert named == {"nope": "auto", "alibi": "auto,sdpa,fla", "t5": "auto,sdpa", "cope": "auto",
-                     "stick_breaking": "auto,fla"}  # fla: a decay or its stick-breaking kernel, no bias
+                     "stick_breaking": "auto,fla", "path": "auto,fla"}  # fla: a decay or a kernel of its own, no bias
     refused = subprocess.run([sys.executable, str(SCRIPT), "--backends", "sdpa,triton"], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "--backends: unknown ['triton']" in refused.stderr

@@ -4,9 +4,9 @@ for two kinds of attention that otherwise form [B, H, L, L] tensors. Each call i
 - A decay (`parallel_forgetting_attn`): FoX's forget gates and causal ALiBi's slopes. The logits get G_i - G_j,
   G the cumulative sum of the per-token decays g, which are the differences of the encoding's levels c
   (c_i - c_j = G_i - G_j).
-- Stick-breaking (`parallel_stickbreaking_attn`), for an encoding whose normalize hook is that kernel's
-  attention (`Encoding.fla_normalize`): the same weights, and the unclaimed share r_i the kernel returns
-  goes to the encoding's remainder term.
+- An encoding whose logit hook is the attention of one of fla's kernels (`Encoding.fla_kernel`):
+  stick-breaking (`parallel_stickbreaking_attn`; the unclaimed share r_i the kernel returns goes to the
+  encoding's remainder term) and PaTH (`parallel_path_attn`, from the encoding's w and beta).
 
 It takes a call whose queries are its keys (no memory before them, no query blocks), causal, with no sliding
 window; hooks that need logits (a bias, a logit transform, ...) stay with sdpa, flex or eager. posbench's own
@@ -54,11 +54,21 @@ def stick_breaking_attention(q, k, v, scale: float, attend_current: bool) -> tup
     return parallel_stickbreaking_attn(q, k, v, scale=scale, attend_current=attend_current)
 
 
+def path_attention(q, k, v, w, beta, scale: float) -> torch.Tensor:
+    """fla-core's kernel: q, k, w [B, L, H, K], v [B, L, H, V], beta [B, L, H] -> [B, L, H, V]."""
+    from fla.ops.path_attn import parallel_path_attn
+
+    return parallel_path_attn(q, k, v, w, beta, scale=scale)[0]
+
+
+KERNEL_HOOKS = {"stick_breaking": "normalize", "path": "logit_transform"}  # Encoding.fla_kernel -> the hook it runs
+
+
 def fla_runs(encoding) -> set[str]:
     """The hooks of `encoding` (an instance or its class) that backend=fla cannot run: empty where it runs it."""
     hooks = set(encoding.hooks) - {"embed"} - backend_hooks(FLA)
-    if encoding.fla_normalize == "stick_breaking" and not set(encoding.hooks) & {"decay"}:
-        hooks.discard("normalize")  # the stick-breaking kernel takes no decay
+    if encoding.fla_kernel and "decay" not in encoding.hooks:  # posbench passes these kernels no decay
+        hooks.discard(KERNEL_HOOKS[encoding.fla_kernel])
     return hooks
 
 
@@ -87,11 +97,15 @@ class FlaBackend(Backend):
         encoding, batch = call.encoding, q.shape[0]
         scale = encoding.logit_scale(q.shape[-1])
         q_, k_, v_ = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, L, H, d] each
-        if "normalize" in encoding.hooks:  # stick-breaking (fla_runs admits no other normalize)
+        if encoding.fla_kernel == "stick_breaking":
             out, rest = stick_breaking_attention(q_, k_, v_, scale, encoding.attend_current)  # [B, L, H, d], [B, L, H]
-            out = out.transpose(1, 2)  # [B, H, L, d]
+            out = out.transpose(1, 2).to(v.dtype)  # [B, H, L, d]
             term = encoding.remainder_term(rest.transpose(1, 2)[..., None].to(v.dtype), v, call)  # [B, H, L, d]
-            return out.to(v.dtype) if term is None else out.to(v.dtype) + term
+            return out if term is None else out + term
+        if encoding.fla_kernel == "path":
+            w, beta = encoding.householder(call.x, call.layer)  # [B, H, L, d], [B, H, L]
+            out = path_attention(q_, k_, v_, w.transpose(1, 2), beta.transpose(1, 2), scale)  # [B, L, H, d]
+            return out.transpose(1, 2).to(v.dtype)  # [B, H, L, d]
         if call.k_levels is None:  # no decay: plain causal attention
             g = q.new_zeros(batch, q.shape[-2], q.shape[1], dtype=torch.float32)  # [B, L, H]
         else:

@@ -107,8 +107,9 @@ class Encoding(nn.Module):
     flex_trains: bool = True
     # why backend=flex trains it slowly on CUDA, where it does; auto then trains on sdpa (and evaluates on flex)
     flex_trains_slowly: str = ""
-    # its normalize hook is the attention of this fla-core kernel, which backend=fla runs whole (posbench.attention.fla)
-    fla_normalize: str = ""
+    # the fla-core kernel whose attention its logit hook is (stick_breaking: normalize; path: logit_transform), which
+    # backend=fla runs whole (posbench.attention.fla)
+    fla_kernel: str = ""
 
     def __init__(self, dims: ModelDims):
         super().__init__()

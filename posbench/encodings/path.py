@@ -30,6 +30,7 @@ class PaTH(Encoding):
     relative = True  # reads no position id: the transforms come from content
     causal_only = True
     reads_query_key = True  # beside a rotation it reads rotated q and k: no longer relative
+    fla_kernel = "path"  # fla-core's parallel_path_attn: the same products, from this encoding's w and beta
 
     def __init__(self, dims: ModelDims):
         super().__init__(dims)

@@ -45,7 +45,7 @@ class StickBreaking(Encoding):
     name = "stick_breaking"
     hooks = frozenset({"normalize"})
     relative = True  # reads no positions at all
-    fla_normalize = "stick_breaking"  # fla-core's parallel_stickbreaking_attn: the same weights and remainder
+    fla_kernel = "stick_breaking"  # fla-core's parallel_stickbreaking_attn: the same weights and remainder
 
     def __init__(self, dims: ModelDims, remainder: str = "value", attend_current: bool = False):
         super().__init__(dims)
