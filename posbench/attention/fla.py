@@ -62,6 +62,7 @@ def path_attention(q, k, v, w, beta, scale: float) -> torch.Tensor:
 
 
 KERNEL_HOOKS = {"stick_breaking": "normalize", "path": "logit_transform"}  # Encoding.fla_kernel -> the hook it runs
+PATH_HEAD_SIZES = (16, 32, 64, 128)  # fla-core's PaTH kernel
 
 
 def fla_runs(encoding) -> set[str]:
@@ -103,8 +104,13 @@ class FlaBackend(Backend):
             term = encoding.remainder_term(rest.transpose(1, 2)[..., None].to(v.dtype), v, call)  # [B, H, L, d]
             return out if term is None else out + term
         if encoding.fla_kernel == "path":
+            if q.shape[-1] not in PATH_HEAD_SIZES:
+                raise ValueError(f"backend=fla runs PaTH with heads of {list(PATH_HEAD_SIZES)} features (fla-core's "
+                                 f"kernel), not {q.shape[-1]}; use backend=eager")
             w, beta = encoding.householder(call.x, call.layer)  # [B, H, L, d], [B, H, L]
-            out = path_attention(q_, k_, v_, w.transpose(1, 2), beta.transpose(1, 2), scale)  # [B, L, H, d]
+            precision = torch.promote_types(w.dtype, torch.float32)  # the kernel takes them in float32 at least
+            w, beta = w.transpose(1, 2).to(precision), beta.transpose(1, 2).to(precision)  # [B, L, H, d], [B, L, H]
+            out = path_attention(q_, k_, v_, w, beta, scale)  # [B, L, H, d]
             return out.transpose(1, 2).to(v.dtype)  # [B, H, L, d]
         if call.k_levels is None:  # no decay: plain causal attention
             g = q.new_zeros(batch, q.shape[-2], q.shape[1], dtype=torch.float32)  # [B, L, H]
