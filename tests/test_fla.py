@@ -148,6 +148,13 @@ def test_fla_is_refused_where_it_cannot_run(monkeypatch):
         get_backend("fla", bidirectional).check(bidirectional)
 
 
+def test_path_with_heads_the_kernel_lacks_is_refused_naming_eager(monkeypatch):
+    monkeypatch.setattr(fla, "fla_refusal", lambda cuda: None)
+    net = model("path", "fla", heads=2)  # heads of 8 features
+    with pytest.raises(ValueError, match=r"heads of \[16, 32, 64, 128\] features .*not 8; use backend=eager"):
+        net(torch.zeros(1, 5, dtype=torch.long), torch.arange(5)[None])
+
+
 def test_auto_never_picks_fla():
     for name in ("fox", "alibi", "nope", "stick_breaking", "path"):
         assert get_backend("auto", make_encoding(name, d_model=32), torch.device("cpu")).name != "fla"
