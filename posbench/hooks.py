@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # The attention backends' names, declared here only: the fastest first, eager (runs every hook: the reference) last.
-# fla (fla-core's Triton kernel for a decay, CUDA only, an optional extra) is named outright, never chosen by auto.
+# fla (fla-core's Triton kernels, CUDA only, an optional extra): auto's rule never takes it; a device's crossover table
+# may, where it measured fla fastest and fla-core is installed.
 SDPA, FLEX, FLA, EAGER = "sdpa", "flex", "fla", "eager"
 BACKEND_NAMES = (SDPA, FLEX, FLA, EAGER)
 ALL_BACKENDS = frozenset(BACKEND_NAMES)
