@@ -8,7 +8,7 @@ import torch
 from posbench.attention import fla, get_backend
 from posbench.attention.select import measured_backend
 from posbench.model import ModelConfig, Transformer
-from tests.helpers import assert_close_scaled, make_encoding
+from tests.helpers import assert_close_scaled, assert_recurrence_equals_one_pass, make_encoding
 
 
 def forgetting_attention_by_formula(q, k, v, g, scale):
@@ -115,6 +115,20 @@ def test_the_fla_path_wiring_gives_the_eager_logits_and_gradients(monkeypatch):
     for parameter, grad in results["eager"][1].items():
         assert_close_scaled(results["fla"][1][parameter], grad, rtol=1e-9, atol_scale=1e-11, name=parameter)
     assert results["fla"][1]["encoding.beta.0.weight"].abs().sum() > 0  # the transforms learn through the kernel
+
+
+@pytest.mark.parametrize("name", ["fox", "stick_breaking", "path"])
+def test_segments_after_a_memory_give_one_pass(name, monkeypatch):
+    """A segment attending to the last one's keys (wikitext's recurrence) is a call the kernels do not take: it runs
+    on sdpa (a decay) or eager, and two segments give the logits of one pass."""
+    monkeypatch.setattr(fla, "fla_refusal", lambda cuda: None)
+    for kernel, formula in (("forgetting_attention", forgetting_attention_by_formula),
+                            ("stick_breaking_attention", stick_breaking_by_formula), ("path_attention", path_by_formula)):
+        monkeypatch.setattr(fla, kernel, formula)
+    net = model(name, "fla", heads=1).eval()
+    ids = torch.randint(0, 11, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():  # fox: the kernel's decays are float32, sdpa's levels float64
+        assert_recurrence_equals_one_pass(net, ids, atol_scale=1e-6 if name == "fox" else 1e-12)
 
 
 def test_per_token_decays_sum_to_the_level_differences():

@@ -8,8 +8,9 @@ for two kinds of attention that otherwise form [B, H, L, L] tensors. Each call i
   stick-breaking (`parallel_stickbreaking_attn`; the unclaimed share r_i the kernel returns goes to the
   encoding's remainder term) and PaTH (`parallel_path_attn`, from the encoding's w and beta).
 
-It takes a call whose queries are its keys (no memory before them, no query blocks), causal, with no sliding
-window; hooks that need logits (a bias, a logit transform, ...) stay with sdpa, flex or eager. posbench's own
+It takes causal calls with no sliding window, whose queries are its keys: a call with a memory before its queries
+(segment recurrence) runs on sdpa (a decay) or eager. Hooks that need logits (a bias, a logit transform, ...) stay
+with sdpa, flex or eager. posbench's own
 backends are the reference it is tested against on a GPU (tests/test_cuda.py).
 """
 from __future__ import annotations
@@ -19,6 +20,8 @@ import importlib.util
 import torch
 
 from posbench.attention.backend import Backend
+from posbench.attention.eager import EagerBackend
+from posbench.attention.sdpa import SdpaBackend
 from posbench.hooks import FLA, backend_hooks, backends_for
 
 EXTRA = "pip install 'posbench[fla]'"
@@ -73,6 +76,11 @@ def fla_runs(encoding) -> set[str]:
     return hooks
 
 
+def fallback(encoding) -> Backend:
+    """The backend that takes a call fla's kernels cannot (keys before the queries): sdpa for a decay, else eager."""
+    return SdpaBackend() if set(encoding.hooks) - {"embed"} <= SdpaBackend.supported_hooks else EagerBackend()
+
+
 class FlaBackend(Backend):
     name = FLA
     supported_hooks = backend_hooks(name)
@@ -92,9 +100,10 @@ class FlaBackend(Backend):
         refusal = fla_refusal(q.is_cuda)
         if refusal:
             raise ValueError(refusal)
-        if not call.causal or q.shape[-2] != k.shape[-2]:
-            raise ValueError("backend=fla runs causal attention whose queries are its keys (no memory before them, "
-                             "no bidirectional layer); use backend=sdpa")
+        if not call.causal:
+            raise ValueError("backend=fla runs causal attention only; a bidirectional model: use backend=sdpa")
+        if q.shape[-2] != k.shape[-2]:  # queries after a memory (segment recurrence): the kernels take none
+            return fallback(call.encoding).attend(q, k, v, call)
         encoding, batch = call.encoding, q.shape[0]
         scale = encoding.logit_scale(q.shape[-1])
         q_, k_, v_ = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, L, H, d] each
