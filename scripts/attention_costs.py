@@ -13,7 +13,9 @@ Parts, each in milliseconds and as a multiple of `nope` (sdpa with is_causal, no
 - decays only, `sdpa, decay in N columns`: the decay's column after the head's (N = d + 1), and padded with
   zeros to a multiple of 8, as posbench's sdpa call does on CUDA (the fused kernels' head-size alignment);
 - fire only, `bias alone, dense MLP`: its bias with the MLP evaluated as Linear-ReLU-Linear on every pair
-  rather than by its piecewise-linear segments (posbench.encodings.fire.piecewise_linear_mlp).
+  rather than by its piecewise-linear segments (posbench.encodings.fire.piecewise_linear_mlp); and `bias alone,
+  segment sums by bincount`: the segments read as posbench reads them, their gradient summed by one histogram
+  (`SegmentRows`) rather than gather's scatter-add.
 
     python scripts/attention_costs.py [--encodings alibi,kerple,sandwich,fox,t5,fire] [--tokens 1025,4097,8193]
         [--tokens-per-step 65536] [--device auto] [--budget-s 120] [--out FILE.csv]
@@ -26,6 +28,9 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a file: import posbench from this checkout
@@ -52,9 +57,6 @@ def timed_ms(run, device) -> float:
 
 def parts(encoding, tokens: int, batch: int, device) -> dict:
     """part name -> a function running it forward and backward once."""
-    import torch
-    import torch.nn.functional as F
-
     from posbench.attention import get_backend
     from posbench.attention.context import AttentionCall, causal_mask
     from posbench.attention.flex import flex_refusal
@@ -105,7 +107,12 @@ def parts(encoding, tokens: int, batch: int, device) -> dict:
         def dense_bias():
             with swapped(fire, "piecewise_linear_mlp", lambda mlp, values: mlp(values[..., None])):
                 built_bias().backward(grad_bias)
+
+        def histogram_bias():
+            with swapped(fire, "segment_rows", SegmentRows.apply):
+                built_bias().backward(grad_bias)
         found["bias alone, dense MLP"] = dense_bias
+        found["bias alone, segment sums by bincount"] = histogram_bias
     if "decay" in encoding.hooks:  # the decay's column alone (d + 1), and padded to a multiple of 8 (sdpa on CUDA)
         for columns in sorted({1, 1 + -(width + 1) % 8}):
             found[f"sdpa, decay in {width + columns} columns"] = (
@@ -124,14 +131,32 @@ def parts(encoding, tokens: int, batch: int, device) -> dict:
 def decay_call(q, k, v, call, columns: int):
     """posbench's sdpa decay column (q: ones, k: (c_ref - c_j) / scale, v: zeros) with `columns` columns in all
     (the rest zeros): [B, H, L, d]."""
-    import torch.nn.functional as F
-
     from posbench.attention.sdpa import with_decay_column
 
     width = q.shape[-1]
     scale = call.encoding.logit_scale(width)
     q, k, v = with_decay_column(q, k, v, call, scale, columns)  # [B, H, L, d + columns]
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[..., :width]
+
+
+class SegmentRows(torch.autograd.Function):
+    """fire's segment lookup (posbench.encodings.fire.segment_rows) with its backward as one histogram: each
+    segment's gradient rows summed by bincount, whose CUDA kernel sums small histograms in shared memory, against
+    gather's backward, whose scatter-add sends every pair's gradient to the same few rows in global memory."""
+
+    @staticmethod
+    def forward(ctx, table, segment):
+        ctx.save_for_backward(segment)
+        ctx.rows = table.shape[0]
+        return table.index_select(0, segment)  # [N, H]
+
+    @staticmethod
+    def backward(ctx, grad):
+        segment, = ctx.saved_tensors
+        heads = grad.shape[1]
+        bins = (segment[:, None] * heads + torch.arange(heads, device=grad.device)).reshape(-1)  # [N H]
+        sums = torch.bincount(bins, weights=grad.reshape(-1), minlength=ctx.rows * heads)  # [S H]
+        return sums.view(ctx.rows, heads).to(grad.dtype), None
 
 
 class swapped:
@@ -149,8 +174,6 @@ class swapped:
 
 
 def measure(encoding_name: str, tokens: int, tokens_per_step: int, device, device_label: str) -> list[dict]:
-    import torch
-
     from posbench.build import build
     from scripts.gpu_measure import compose_cfg, sequence_task_length
 
@@ -184,8 +207,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--budget-s", type=float, default=120, help="no new length is started past this")
     parser.add_argument("--out", type=Path, help="a CSV of the rows (written after each length)")
     args = parser.parse_args(argv)
-
-    import torch
 
     from posbench.build import resolve_device
     from scripts.gpu_measure import device_name

@@ -147,8 +147,36 @@ def test_attention_costs_split_a_call_into_its_parts(tmp_path):
     assert parts["alibi"] == ["nope", "sdpa, constant bias", "sdpa, bias gradient", "sdpa, decay in 17 columns",
                               "sdpa, decay in 24 columns", "sdpa call", "eager call"]  # heads of 16: d + 1, padded
     assert parts["fire"] == ["nope", "sdpa, constant bias", "sdpa, bias gradient", "bias alone",
-                             "bias alone, dense MLP", "sdpa call", "eager call"]  # flex trains on CUDA only
+                             "bias alone, dense MLP", "bias alone, segment sums by bincount", "sdpa call",
+                             "eager call"]  # flex trains on CUDA only
     assert all(r["status"] == "ok" and r["ms"] > 0 and r["batch_size"] == 3 for r in rows)
     assert [r["times_nope"] for r in rows if r["part"] == "nope"] == [1.0, 1.0]
     with out.open() as handle:
         assert [row["part"] for row in csv.DictReader(handle)] == [r["part"] for r in rows]
+
+
+def test_fires_segment_sums_by_bincount_give_gathers_gradients():
+    """attention_costs' histogram backward of fire's segment lookup is the same function with the same gradients."""
+    import torch
+
+    from posbench.encodings import fire
+    from scripts import attention_costs
+    from tests.helpers import assert_close_scaled, make_encoding
+
+    encoding = make_encoding("fire", d_model=16, max_positions=40).double()
+    positions = torch.arange(40)[None]
+    grad = torch.randn(1, 2, 40, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def bias_and_grads():
+        encoding.zero_grad()
+        bias = encoding.bias(positions, positions, 0)  # [1, H, L, L]
+        bias.backward(grad)
+        return bias.detach(), {n: p.grad.clone() for n, p in encoding.named_parameters() if p.grad is not None}
+
+    gathered = bias_and_grads()
+    with attention_costs.swapped(fire, "segment_rows", attention_costs.SegmentRows.apply):
+        histogram = bias_and_grads()
+    assert_close_scaled(histogram[0], gathered[0], rtol=0, atol_scale=1e-15, name="bias")
+    assert gathered[1].keys() == histogram[1].keys() and len(gathered[1]) == 6  # MLP weights and biases, c, L
+    for name, want in gathered[1].items():
+        assert_close_scaled(histogram[1][name], want, rtol=1e-12, atol_scale=1e-12, name=name)

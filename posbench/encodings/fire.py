@@ -53,11 +53,15 @@ def piecewise_linear_mlp(mlp: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     on = (middles[:, None] * w + b > 0).to(w.dtype)  # [S, width]
     slope = (on * w) @ out.weight.T  # [S, H]
     intercept = (on * b) @ out.weight.T + out.bias  # [S, H]
-    segment = torch.searchsorted(breaks.contiguous(), x.detach().contiguous(), right=True)  # [...]
-    # read by gather, whose backward scatter-adds: indexing's sums each segment's repeats one by one on CUDA
-    # (an H100 trained fire at 0.03x nope's tokens/s at 1,025 tokens); on the CPU gather is faster too
-    at = segment.reshape(-1, 1).expand(-1, slope.shape[1])  # [N, H]
-    return (slope.gather(0, at) * x.reshape(-1, 1) + intercept.gather(0, at)).view(*x.shape, -1)  # [..., H]
+    segment = torch.searchsorted(breaks.contiguous(), x.detach().contiguous(), right=True).reshape(-1)  # [N]
+    return (segment_rows(slope, segment) * x.reshape(-1, 1) + segment_rows(intercept, segment)).view(*x.shape, -1)
+
+
+def segment_rows(table: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
+    """table [S, H] read at each input's segment [N] -> [N, H]. By gather, whose backward scatter-adds: indexing's
+    summed each segment's repeats one by one on CUDA (an H100 trained fire at 0.03x nope's tokens/s at 1,025
+    tokens); on the CPU gather is faster too. scripts/attention_costs.py times another backward against it."""
+    return table.gather(0, segment[:, None].expand(-1, table.shape[1]))  # [N, H]
 
 
 class FIRE(Encoding):
