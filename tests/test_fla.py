@@ -172,3 +172,23 @@ def test_path_with_heads_the_kernel_lacks_is_refused_naming_eager(monkeypatch):
 def test_auto_never_picks_fla():
     for name in ("fox", "alibi", "nope", "stick_breaking", "path"):
         assert get_backend("auto", make_encoding(name, d_model=32), torch.device("cpu")).name != "fla"
+
+
+@pytest.mark.parametrize("name", ["stick_breaking", "path"])
+def test_the_guard_counts_no_eager_pairs_for_an_encoding_fla_runs_in_its_kernel(name):
+    """stick-breaking's and PaTH's declared extra memory is their eager path's [B, H, L, L] tensors; on fla the
+    kernel holds none, and the guard counts only what a fused kernel keeps."""
+    import dataclasses
+
+    from posbench import guard
+    from posbench.build import build
+    from tests.helpers import compose_cfg
+
+    eager = build(compose_cfg(f"encoding={name}", "backend=eager", "device=cpu", "model=small"), torch.device("cpu"))
+    on_fla = dataclasses.replace(eager, backend="fla", eval_backends={})
+    batch, tokens = 8, 4096
+    fused = eager.model.cfg.n_layers * 4.0 * batch * eager.model.cfg.n_heads * tokens * guard.FLOAT
+    assert guard.training_attention_bytes(on_fla, batch, tokens) == fused
+    assert guard.training_attention_bytes(eager, batch, tokens) > 100 * fused
+    with_kernel, _ = guard.attention_bytes(on_fla, None, 4096, batch, tokens, tokens, 0, "auto")
+    assert with_kernel == 4.0 * batch * eager.model.cfg.n_heads * tokens * guard.FLOAT

@@ -17,6 +17,12 @@ class Backend:
     runs_windows = True  # runs a sliding window (AttentionCall.window)
     train_block: int | None = None  # queries per block of a causal layer with logits in training (None: one call)
     per_sequence_logits = False  # a block holds [B, H, b, Lk] logits (not a [1, H, b, Lk] bias): sizes chunks
+    kernel_attention = False  # runs an encoding's own attention (Encoding.fla_kernel) in a kernel: none of what the
+    # encoding declares for its eager path (extra_memory) is allocated
+
+    def runs_kernel_of(self, encoding: Encoding) -> bool:
+        """Whether this backend runs `encoding`'s attention in its own kernel (the guard then counts no extra memory)."""
+        return self.kernel_attention and bool(encoding.fla_kernel)
 
     def check(self, encoding: Encoding) -> None:
         missing = set(encoding.hooks) - {"embed"} - self.supported_hooks

@@ -85,6 +85,7 @@ class FlaBackend(Backend):
     name = FLA
     supported_hooks = backend_hooks(name)
     takes_bias = False  # one call over every query: the kernel bounds its own memory
+    kernel_attention = True
     runs_windows = False
 
     def check(self, encoding) -> None:
