@@ -6,7 +6,8 @@ for two kinds of attention that otherwise form [B, H, L, L] tensors. Each call i
   (c_i - c_j = G_i - G_j).
 - An encoding whose logit hook is the attention of one of fla's kernels (`Encoding.fla_kernel`):
   stick-breaking (`parallel_stickbreaking_attn`; the unclaimed share r_i the kernel returns goes to the
-  encoding's remainder term) and PaTH (`parallel_path_attn`, from the encoding's w and beta).
+  encoding's remainder term) and PaTH (`parallel_path_attn`, from the encoding's w and beta; beside FoX's decay
+  too, PaTH-FoX as a composite).
 
 It takes causal calls with no sliding window, whose queries are its keys: a call with a memory before its queries
 (segment recurrence) runs on sdpa (a decay) or eager. Hooks that need logits (a bias, a logit transform, ...) stay
@@ -57,11 +58,12 @@ def stick_breaking_attention(q, k, v, scale: float, attend_current: bool) -> tup
     return parallel_stickbreaking_attn(q, k, v, scale=scale, attend_current=attend_current)
 
 
-def path_attention(q, k, v, w, beta, scale: float) -> torch.Tensor:
-    """fla-core's kernel: q, k, w [B, L, H, K], v [B, L, H, V], beta [B, L, H] -> [B, L, H, V]."""
+def path_attention(q, k, v, w, beta, g, scale: float) -> torch.Tensor:
+    """fla-core's kernel: q, k, w [B, L, H, K], v [B, L, H, V], beta [B, L, H], g [B, L, H] or None ->
+    [B, L, H, V]; the logits are scale (q_i^T H_i ... H_(j+1) k_j + G_i - G_j), G the cumulative sum of g."""
     from fla.ops.path_attn import parallel_path_attn
 
-    return parallel_path_attn(q, k, v, w, beta, scale=scale)[0]
+    return parallel_path_attn(q, k, v, w, beta, g, scale=scale)[0]
 
 
 KERNEL_HOOKS = {"stick_breaking": "normalize", "path": "logit_transform"}  # Encoding.fla_kernel -> the hook it runs
@@ -71,9 +73,14 @@ PATH_HEAD_SIZES = (16, 32, 64, 128)  # fla-core's PaTH kernel
 def fla_runs(encoding) -> set[str]:
     """The hooks of `encoding` (an instance or its class) that backend=fla cannot run: empty where it runs it."""
     hooks = set(encoding.hooks) - {"embed"} - backend_hooks(FLA)
-    if encoding.fla_kernel and "decay" not in encoding.hooks:  # posbench passes these kernels no decay
+    if encoding.fla_kernel == "path" or encoding.fla_kernel and "decay" not in encoding.hooks:  # PaTH's takes a decay
         hooks.discard(KERNEL_HOOKS[encoding.fla_kernel])
     return hooks
+
+
+def kernel_owner(encoding):
+    """The encoding, or the part of a composite, whose attention the kernel runs (Encoding.fla_kernel)."""
+    return next((part for part in getattr(encoding, "parts", ()) if part.fla_kernel), encoding)
 
 
 def fallback(encoding) -> Backend:
@@ -108,19 +115,22 @@ class FlaBackend(Backend):
         encoding, batch = call.encoding, q.shape[0]
         scale = encoding.logit_scale(q.shape[-1])
         q_, k_, v_ = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, L, H, d] each
+        owner = kernel_owner(encoding)
         if encoding.fla_kernel == "stick_breaking":
-            out, rest = stick_breaking_attention(q_, k_, v_, scale, encoding.attend_current)  # [B, L, H, d], [B, L, H]
+            out, rest = stick_breaking_attention(q_, k_, v_, scale, owner.attend_current)  # [B, L, H, d], [B, L, H]
             out = out.transpose(1, 2).to(v.dtype)  # [B, H, L, d]
-            term = encoding.remainder_term(rest.transpose(1, 2)[..., None].to(v.dtype), v, call)  # [B, H, L, d]
+            term = owner.remainder_term(rest.transpose(1, 2)[..., None].to(v.dtype), v, call)  # [B, H, L, d]
             return out if term is None else out + term
         if encoding.fla_kernel == "path":
             if q.shape[-1] not in PATH_HEAD_SIZES:
                 raise ValueError(f"backend=fla runs PaTH with heads of {list(PATH_HEAD_SIZES)} features (fla-core's "
                                  f"kernel), not {q.shape[-1]}; use backend=eager")
-            w, beta = encoding.householder(call.x, call.layer)  # [B, H, L, d], [B, H, L]
+            w, beta = owner.householder(call.x, call.layer)  # [B, H, L, d], [B, H, L]
             precision = torch.promote_types(w.dtype, torch.float32)  # the kernel takes them in float32 at least
             w, beta = w.transpose(1, 2).to(precision), beta.transpose(1, 2).to(precision)  # [B, L, H, d], [B, L, H]
-            out = path_attention(q_, k_, v_, w, beta, scale)  # [B, L, H, d]
+            # PaTH-FoX: the kernel scales the gate term as the products, posbench adds c_i - c_j as they are
+            g = None if call.k_levels is None else token_log_decay(call.k_levels, batch).to(precision) / scale
+            out = path_attention(q_, k_, v_, w, beta, g, scale)  # [B, L, H, d]
             return out.transpose(1, 2).to(v.dtype)  # [B, H, L, d]
         if call.k_levels is None:  # no decay: plain causal attention
             g = q.new_zeros(batch, q.shape[-2], q.shape[1], dtype=torch.float32)  # [B, L, H]

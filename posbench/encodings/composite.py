@@ -90,6 +90,8 @@ class Composite(Encoding):
         self.bias_layers_shared = all(part.bias_layers_shared for part in self.parts_with("bias"))
         self.flex_trains = all(part.flex_trains for part in self.parts)
         self.flex_trains_slowly = "; ".join(part.flex_trains_slowly for part in self.parts if part.flex_trains_slowly)
+        kernels = [part.fla_kernel for part in self.parts if part.fla_kernel]
+        self.fla_kernel = kernels[0] if len(kernels) == 1 else ""  # backend=fla: its part's kernel (PaTH-FoX)
         self.position_dims = self.check_position_dims()
         self.check_single_owners()
         self.check_widened_query_key()
