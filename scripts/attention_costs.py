@@ -1,6 +1,6 @@
-"""Where a bias method's attention time goes: one layer's attention call, forward and backward, split into
-its parts and timed against nope's fused causal kernel on the same q, k, v. For the bias rows of
-results/gpu/<device>/encodings.csv, whose step costs are measured but not their causes.
+"""Where a method's attention time goes: one layer's attention call, forward and backward, split into its parts
+and timed against nope's fused causal kernel on the same q, k, v. For the rows of results/gpu/<device>/encodings.csv
+below the GPU issue's targets, whose step costs are measured but not their causes.
 
 Parts, each in milliseconds and as a multiple of `nope` (sdpa with is_causal, no mask):
 - `sdpa, constant bias`: the encoding's bias as sdpa's mask with no gradient (what leaving the flash
@@ -9,7 +9,10 @@ Parts, each in milliseconds and as a multiple of `nope` (sdpa with is_causal, no
 - `bias alone`: the encoding's learned bias [1, H, L, L] built and differentiated, without attention (a
   decay's: `decay levels alone`, [B, H, L]);
 - `<backend> call`: posbench's backend running the whole call (bias built, attention, both backwards), for
-  each backend that runs the encoding;
+  each backend that runs the encoding (fla where fla-core is installed on CUDA); every query in one call, where
+  a layer trains the eager methods in blocks of 128 queries;
+- methods with logit hooks (cope, dape, stick-breaking, PaTH): `eager, no hooks`, the eager path's own floor (the
+  logits formed, softmax, p.V), beside their eager call;
 - decays only, `sdpa, decay in N columns`: the decay's column after the head's (N = d + 1), and padded with
   zeros to a multiple of 8, as posbench's sdpa call does on CUDA (the fused kernels' head-size alignment);
 - fire only, `bias alone, dense MLP`: its bias with the MLP evaluated as Linear-ReLU-Linear on every pair
@@ -17,8 +20,8 @@ Parts, each in milliseconds and as a multiple of `nope` (sdpa with is_causal, no
   segment sums by bincount`: the segments read as posbench reads them, their gradient summed by one histogram
   (`SegmentRows`) rather than gather's scatter-add.
 
-    python scripts/attention_costs.py [--encodings alibi,kerple,sandwich,fox,t5,fire] [--tokens 1025,4097,8193]
-        [--tokens-per-step 65536] [--device auto] [--budget-s 120] [--out FILE.csv]
+    python scripts/attention_costs.py [--encodings alibi,kerple,sandwich,fox,t5,fire,cope,dape,stick_breaking,path] [--tokens 1025,4097,8193]
+        [--tokens-per-step 65536] [--device auto] [--backends sdpa,fla,eager] [--budget-s 120] [--out FILE.csv]
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ sys.path.insert(0, str(ROOT))  # run as a file: import posbench from this checko
 
 FIELDS = ["device", "encoding", "tokens", "batch_size", "part", "ms", "times_nope", "status"]
 REPEATS = 5  # timed passes per part, after one untimed
-BACKENDS = ("sdpa", "flex", "eager")
+CALL_BACKENDS = "sdpa,fla,eager"  # --backends: flex compiles a kernel per method, seconds each on a GPU
 
 
 def timed_ms(run, device) -> float:
@@ -55,12 +58,11 @@ def timed_ms(run, device) -> float:
     return 1000 * statistics.median(seconds)
 
 
-def parts(encoding, tokens: int, batch: int, device) -> dict:
+def parts(encoding, tokens: int, batch: int, device, backends: list[str]) -> dict:
     """part name -> a function running it forward and backward once."""
-    from posbench.attention import get_backend
     from posbench.attention.context import AttentionCall, causal_mask
-    from posbench.attention.flex import flex_refusal
-    from posbench.encodings import fire
+    from posbench.attention.eager import EagerBackend
+    from posbench.encodings import REGISTRY, fire
 
     heads, width = encoding.dims.n_heads, encoding.dims.d_model // encoding.dims.n_heads
     generator = torch.Generator(device).manual_seed(0)
@@ -85,17 +87,21 @@ def parts(encoding, tokens: int, batch: int, device) -> dict:
             return (call.q_levels[..., :, None] - call.k_levels[..., None, :]).float()
         return encoding.bias(positions, positions, 0)
 
-    with torch.no_grad():
-        constant = built_bias().masked_fill(~causal_mask(tokens, tokens, device), float("-inf"))  # [B', H, L, L]
-    learned = constant.clone().requires_grad_()
-    grad_bias = normal(*constant.shape)  # [B', H, L, L]
-
     def attention(mask=None):
         return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None
                                                       ).backward(grad_out)
 
-    found = {"nope": attention(), "sdpa, constant bias": attention(constant),
-             "sdpa, bias gradient": attention(learned)}
+    found = {"nope": attention()}
+    if not encoding.hooks & {"bias", "decay"}:  # logit hooks (cope, dape, stick-breaking): their eager path's floor
+        plain = EagerBackend()
+        nope_call = AttentionCall(REGISTRY["nope"](encoding.dims), positions, positions, 0, causal=True, x=x)
+        found["eager, no hooks"] = lambda: plain.attend(q, k, v, nope_call).backward(grad_out)
+        return found | backend_calls(encoding, q, k, v, grad_out, new_call, device, backends)
+    with torch.no_grad():
+        constant = built_bias().masked_fill(~causal_mask(tokens, tokens, device), float("-inf"))  # [B', H, L, L]
+    learned = constant.clone().requires_grad_()
+    grad_bias = normal(*constant.shape)  # [B', H, L, L]
+    found |= {"sdpa, constant bias": attention(constant), "sdpa, bias gradient": attention(learned)}
     if "decay" in encoding.hooks:
         levels = new_call().k_levels  # [B|1, H, L]
         if levels.requires_grad:  # learned levels (fox's gates; alibi's are fixed)
@@ -117,12 +123,25 @@ def parts(encoding, tokens: int, batch: int, device) -> dict:
         for columns in sorted({1, 1 + -(width + 1) % 8}):
             found[f"sdpa, decay in {width + columns} columns"] = (
                 lambda columns=columns: decay_call(q, k, v, new_call(), columns).backward(grad_out))
-    for name in BACKENDS:
-        if name == "flex" and flex_refusal(encoding, width, device.type == "cuda", training=True):
+    return found | backend_calls(encoding, q, k, v, grad_out, new_call, device, backends)
+
+
+def backend_calls(encoding, q, k, v, grad_out, new_call, device, backends: list[str]) -> dict:
+    """`<backend> call` -> the whole call forward and backward, for each of `backends` that runs the encoding here."""
+    from posbench.attention import get_backend
+    from posbench.attention.fla import fla_refusal, fla_runs
+    from posbench.attention.flex import flex_refusal
+
+    found = {}
+    for name in backends:
+        if name == "flex" and flex_refusal(encoding, q.shape[-1], device.type == "cuda", training=True):
             continue  # flex trains on CUDA only
+        if name == "fla" and (fla_refusal(device.type == "cuda") or fla_runs(encoding)):
+            continue  # fla-core's kernels: CUDA, installed, an encoding they run
+        backend = get_backend(name, encoding, device)
         try:
-            backend = get_backend(name, encoding, device)
-        except ValueError:  # this backend cannot run the encoding
+            backend.check(encoding)
+        except ValueError:  # this backend cannot run the encoding's hooks
             continue
         found[f"{name} call"] = lambda backend=backend: backend.attend(q, k, v, new_call()).backward(grad_out)
     return found
@@ -173,7 +192,8 @@ class swapped:
         setattr(self.module, self.name, self.kept)
 
 
-def measure(encoding_name: str, tokens: int, tokens_per_step: int, device, device_label: str) -> list[dict]:
+def measure(encoding_name: str, tokens: int, tokens_per_step: int, device, device_label: str,
+            backends: list[str]) -> list[dict]:
     from posbench.build import build
     from scripts.gpu_measure import compose_cfg, sequence_task_length
 
@@ -182,7 +202,7 @@ def measure(encoding_name: str, tokens: int, tokens_per_step: int, device, devic
                        f"device={device.type}"])
     encoding = build(cfg, device).encoding
     rows, nope_ms = [], None
-    for part, run in parts(encoding, tokens, batch, device).items():
+    for part, run in parts(encoding, tokens, batch, device, backends).items():
         row = {"device": device_label, "encoding": encoding_name, "tokens": tokens, "batch_size": batch, "part": part}
         try:
             row |= {"ms": round(timed_ms(run, device), 3), "status": "ok"}
@@ -200,13 +220,20 @@ def measure(encoding_name: str, tokens: int, tokens_per_step: int, device, devic
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--encodings", default="alibi,kerple,sandwich,fox,t5,fire")
+    parser.add_argument("--encodings", default="alibi,kerple,sandwich,fox,t5,fire,cope,dape,stick_breaking,path")
     parser.add_argument("--tokens", default="1025,4097,8193", help="sequence lengths")
     parser.add_argument("--tokens-per-step", type=int, default=65536, help="batch = this // tokens")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--backends", default=CALL_BACKENDS, help="the backends whose whole call is timed, "
+                        "of sdpa,flex,fla,eager")
     parser.add_argument("--budget-s", type=float, default=120, help="no new length is started past this")
     parser.add_argument("--out", type=Path, help="a CSV of the rows (written after each length)")
     args = parser.parse_args(argv)
+    from posbench.hooks import BACKEND_NAMES
+
+    unknown = sorted(set(args.backends.split(",")) - set(BACKEND_NAMES))
+    if unknown:
+        raise SystemExit(f"--backends: unknown {unknown}; choose from {list(BACKEND_NAMES)}")
 
     from posbench.build import resolve_device
     from scripts.gpu_measure import device_name
@@ -220,7 +247,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if time.monotonic() > deadline:
                 print(f"budget of {args.budget_s:g} s spent: {name} at {tokens} tokens and later not measured")
                 return rows
-            rows += measure(name, tokens, args.tokens_per_step, device, label)
+            rows += measure(name, tokens, args.tokens_per_step, device, label, args.backends.split(","))
             if args.out:
                 with args.out.open("w", newline="") as file:
                     writer = csv.DictWriter(file, FIELDS)

@@ -58,7 +58,7 @@ run)
                 -m posbench encoding=rope task=copy train.steps=0 hydra.run.dir=/tmp/startup \
                 > "$OUT/startup.log" 2> "$OUT/startup_imports.log" ) 2>&1 | tee -a "$OUT/startup.log" ;;
         costs)  # where the bias and decay methods' attention time goes (the cause of each shortfall against nope):
-            # one call's parts, each timed against nope's kernel (scripts/attention_costs.py)
+            # one call's parts, each timed against nope's kernel, the eager methods' too (scripts/attention_costs.py)
             timeout "${GPU_COSTS_S:-90}" python3 scripts/attention_costs.py --budget-s $(( ${GPU_COSTS_S:-90} - 30 )) \
                 --out "$OUT/attention_costs.csv" 2>&1 | tee "$OUT/attention_costs.log" | tail -n 5 ;;
         tests)  # the CUDA checks of capture and the compile modes (never reached in 2026-11-27's calls: first now), the

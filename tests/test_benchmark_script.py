@@ -141,16 +141,17 @@ def test_attention_costs_split_a_call_into_its_parts(tmp_path):
     from scripts import attention_costs
 
     out = tmp_path / "costs.csv"
-    rows = attention_costs.main(["--encodings", "alibi,fire", "--tokens", "33", "--tokens-per-step", "128",
+    rows = attention_costs.main(["--encodings", "alibi,fire,cope", "--tokens", "33", "--tokens-per-step", "128",
                                  "--device", "cpu", "--out", str(out)])
-    parts = {name: [r["part"] for r in rows if r["encoding"] == name] for name in ("alibi", "fire")}
+    parts = {name: [r["part"] for r in rows if r["encoding"] == name] for name in ("alibi", "fire", "cope")}
+    assert parts["cope"] == ["nope", "eager, no hooks", "eager call"]  # a logit hook: eager's floor beside its call
     assert parts["alibi"] == ["nope", "sdpa, constant bias", "sdpa, bias gradient", "sdpa, decay in 17 columns",
                               "sdpa, decay in 24 columns", "sdpa call", "eager call"]  # heads of 16: d + 1, padded
     assert parts["fire"] == ["nope", "sdpa, constant bias", "sdpa, bias gradient", "bias alone",
                              "bias alone, dense MLP", "bias alone, segment sums by bincount", "sdpa call",
                              "eager call"]  # flex trains on CUDA only
     assert all(r["status"] == "ok" and r["ms"] > 0 and r["batch_size"] == 3 for r in rows)
-    assert [r["times_nope"] for r in rows if r["part"] == "nope"] == [1.0, 1.0]
+    assert [r["times_nope"] for r in rows if r["part"] == "nope"] == [1.0, 1.0, 1.0]
     with out.open() as handle:
         assert [row["part"] for row in csv.DictReader(handle)] == [r["part"] for r in rows]
 
