@@ -20,7 +20,8 @@ Parts, each in milliseconds and as a multiple of `nope` (sdpa with is_causal, no
   segment sums by bincount`: the segments read as posbench reads them, their gradient summed by one histogram
   (`SegmentRows`) rather than gather's scatter-add.
 
-    python scripts/attention_costs.py [--encodings alibi,kerple,sandwich,fox,t5,fire,cope,dape,stick_breaking,path] [--tokens 1025,4097,8193]
+    python scripts/attention_costs.py [--encodings alibi,kerple,sandwich,fox,t5,fire,cope,dape,stick_breaking,path]
+        [--tokens 1025,4097,8193]
         [--tokens-per-step 65536] [--device auto] [--backends sdpa,fla,eager] [--budget-s 120] [--out FILE.csv]
 """
 from __future__ import annotations

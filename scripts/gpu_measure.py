@@ -206,7 +206,8 @@ def encoding_plan(names: list[str], backends: list[str] | None = None) -> list[t
         hooks = set(cls.hooks) - {"embed"}
         crossover = bool(hooks & {"bias", "decay"})
         runnable = [b for b in candidates if (not fla_runs(cls) if b == FLA else hooks <= backend_hooks(b))]
-        if not crossover:  # one backend of its own besides auto's: fla's kernel for its attention (stick-breaking, PaTH)
+        if not crossover:  # one backend of its own besides auto's: fla's kernel for its attention (stick-breaking,
+            # PaTH)
             runnable = [b for b in runnable if b == FLA and cls.fla_kernel]
         plan.append((name, list(TOKENS) + ([LONG_TOKENS] if crossover or name == BASELINE else []),
                      ",".join(["auto", *runnable])))
@@ -392,8 +393,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep-overrides", nargs="*", default=[], help="overrides added to the sweep")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--encoding", help=argparse.SUPPRESS)
-    parser.add_argument("--backends", help=f"a bias's or decay's backends besides auto's choice, of {','.join(BACKENDS)} "
-                        "(default: all but fla, an optional extra; each where it runs the encoding's hooks)")
+    parser.add_argument("--backends", help=f"a bias's or decay's backends besides auto's choice, of "
+                        f"{','.join(BACKENDS)} (default: all but fla, an optional extra; each where it runs the "
+                        "encoding's hooks)")
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:

@@ -58,7 +58,10 @@ def test_the_cuda_backend_gives_the_cpu_reference(case, causal, heads):
     compare_with_the_cpu_reference(case, causal, heads)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="fla-core is not installed: pip install 'posbench[fla]'")
+FLA_MISSING = importlib.util.find_spec("fla") is None
+
+
+@pytest.mark.skipif(FLA_MISSING, reason="fla-core is not installed: pip install 'posbench[fla]'")
 @pytest.mark.parametrize("heads", [1, 2])
 @pytest.mark.parametrize("name", ["alibi", "fox", "nope", "stick_breaking", "path", "composite:path+fox"])
 def test_fla_gives_the_cpu_reference(name, heads, monkeypatch):

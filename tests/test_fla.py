@@ -1,7 +1,7 @@
 """backend=fla (fla-core's Triton kernels for a per-token decay, stick-breaking and PaTH, CUDA only): where it is
 refused, and its wiring (the decay's levels to per-token log decays, the remainder term, the layouts, the scale,
-the hooks around the kernel) against the eager backend, with the kernels replaced on the CPU by their formulas. The kernel
-itself is compared with the CPU's float64 reference on a GPU (tests/test_cuda.py)."""
+the hooks around the kernel) against the eager backend, with the kernels replaced on the CPU by their formulas.
+The kernels themselves are compared with the CPU's float64 reference on a GPU (tests/test_cuda.py)."""
 import pytest
 import torch
 
@@ -131,8 +131,9 @@ def test_segments_after_a_memory_give_one_pass(name, monkeypatch):
     """A segment attending to the last one's keys (wikitext's recurrence) is a call the kernels do not take: it runs
     on sdpa (a decay) or eager, and two segments give the logits of one pass."""
     monkeypatch.setattr(fla, "fla_refusal", lambda cuda: None)
-    for kernel, formula in (("forgetting_attention", forgetting_attention_by_formula),
-                            ("stick_breaking_attention", stick_breaking_by_formula), ("path_attention", path_by_formula)):
+    kernels = {"forgetting_attention": forgetting_attention_by_formula, "path_attention": path_by_formula,
+               "stick_breaking_attention": stick_breaking_by_formula}
+    for kernel, formula in kernels.items():
         monkeypatch.setattr(fla, kernel, formula)
     net = model(name, "fla", heads=1).eval()
     ids = torch.randint(0, 11, (2, 12), generator=torch.Generator().manual_seed(2))
@@ -164,7 +165,8 @@ def test_fla_is_refused_where_it_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match=r"backend=fla cannot run the \['logit_transform'\] hook"):
         get_backend("fla", dape).check(dape)
     stick_and_decay = make_encoding("composite", d_model=32, parts=["stick_breaking", "alibi"])
-    with pytest.raises(ValueError, match=r"backend=fla cannot run the \['normalize'\] hook"):  # that kernel takes no decay
+    # that kernel takes no decay
+    with pytest.raises(ValueError, match=r"backend=fla cannot run the \['normalize'\] hook"):
         get_backend("fla", stick_and_decay).check(stick_and_decay)
     bidirectional = make_encoding("fox", d_model=32, causal=False)
     with pytest.raises(ValueError, match="causal attention only"):

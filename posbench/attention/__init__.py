@@ -1,6 +1,7 @@
 """Attention: the layer (`layer`), what its hooks and backends see (`context`), one module per
 backend (`eager`, `sdpa` with the fused CPU kernel of `fused_cpu`, `flex`, `fla`: fla-core's kernel for a
-decay on CUDA) and the one place a backend is chosen (`select`). The hooks and their order are declared in `posbench.hooks`."""
+decay on CUDA) and the one place a backend is chosen (`select`). The hooks and their order are declared in
+`posbench.hooks`."""
 from posbench.attention.backend import Backend
 from posbench.attention.context import AttentionCall, PositionContext, causal_mask
 from posbench.attention.eager import EagerBackend

@@ -21,7 +21,7 @@ class Backend:
     # encoding declares for its eager path (extra_memory) is allocated
 
     def runs_kernel_of(self, encoding: Encoding) -> bool:
-        """Whether this backend runs `encoding`'s attention in its own kernel (the guard then counts no extra memory)."""
+        """Whether this backend runs `encoding`'s attention in its own kernel (the guard counts no extra memory)."""
         return self.kernel_attention and bool(encoding.fla_kernel)
 
     def check(self, encoding: Encoding) -> None:
