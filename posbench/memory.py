@@ -25,11 +25,20 @@ def rss_kb(field: str) -> int:
 
 
 def trim_heap() -> None:
-    gc.collect()
+    gc.collect()  # after freeze_live_objects(), of what was made since only
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # else freed blocks would hide new allocations
     except (OSError, AttributeError):
         pass
+
+
+def freeze_live_objects() -> None:
+    """Every object alive now (the imported modules, the model, the optimizer) out of the cycle collector's reach,
+    after one last collection: each later gc.collect() (trim_heap, once per evaluated length) then scans only
+    what was made since. With the default job's objects a collection took 0.17 s of CPU, and none once frozen.
+    Objects still go when their last reference does; only cycles among the frozen ones would stay."""
+    gc.collect()
+    gc.freeze()
 
 
 MMAP_THRESHOLD = 128 * 1024  # bytes; glibc's default threshold grows to 32 MiB once large blocks are freed

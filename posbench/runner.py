@@ -29,6 +29,7 @@ from posbench.build import Built, build_checked, git_commit, resolve_device
 from posbench.checks import shown
 from posbench.evaluation import UNMEASURED, evaluate
 from posbench.guard import translate_oom
+from posbench.memory import freeze_live_objects
 from posbench.loggers import NullLogger, build_logger
 from posbench.metrics import TABLE_METRICS
 from posbench.results import ROW_FILE, RowWriter, plot_run
@@ -324,6 +325,7 @@ def run_built(cfg: DictConfig, built: Built, device: torch.device, run_dir: Path
     info.train_tokens_per_s = trained.tokens_per_s()
     done = {row["eval_length"]: row for row in distributed.broadcast(writer.rows)}  # rank 0's rows: its file's
     rows = []
+    freeze_live_objects()  # each length's memory measurement collects garbage: of the evaluation's alone
     for length in tqdm(built.lengths, desc="evaluate", dynamic_ncols=True, mininterval=bar_interval(),
                        disable=not main):
         if length in done:
