@@ -130,14 +130,14 @@ def parts(encoding, tokens: int, batch: int, device, backends: list[str]) -> dic
 def backend_calls(encoding, q, k, v, grad_out, new_call, device, backends: list[str]) -> dict:
     """`<backend> call` -> the whole call forward and backward, for each of `backends` that runs the encoding here."""
     from posbench.attention import get_backend
-    from posbench.attention.fla import fla_refusal, fla_runs
+    from posbench.attention.fla import fla_missing_hooks, fla_refusal
     from posbench.attention.flex import flex_refusal
 
     found = {}
     for name in backends:
         if name == "flex" and flex_refusal(encoding, q.shape[-1], device.type == "cuda", training=True):
             continue  # flex trains on CUDA only
-        if name == "fla" and (fla_refusal(device.type == "cuda") or fla_runs(encoding)):
+        if name == "fla" and (fla_refusal(device.type == "cuda") or fla_missing_hooks(encoding)):
             continue  # fla-core's kernels: CUDA, installed, an encoding they run
         backend = get_backend(name, encoding, device)
         try:

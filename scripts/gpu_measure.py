@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a file: import posbench and tasks from this checkout
 
 from posbench.attention.crossover import MODES as TABLE_MODES, device_slug  # noqa: E402
-from posbench.attention.fla import fla_runs  # noqa: E402
+from posbench.attention.fla import fla_missing_hooks  # noqa: E402
 from posbench.hooks import BACKEND_NAMES as BACKENDS, FLA, backend_hooks  # noqa: E402
 
 RESULT_MARK = "GPU_MEASURE "  # a child's lines of output the parent reads
@@ -205,7 +205,8 @@ def encoding_plan(names: list[str], backends: list[str] | None = None) -> list[t
         cls = REGISTRY[name]
         hooks = set(cls.hooks) - {"embed"}
         crossover = bool(hooks & {"bias", "decay"})
-        runnable = [b for b in candidates if (not fla_runs(cls) if b == FLA else hooks <= backend_hooks(b))]
+        runnable = [b for b in candidates
+                    if (not fla_missing_hooks(cls) if b == FLA else hooks <= backend_hooks(b))]
         if not crossover:  # one backend of its own besides auto's: fla's kernel for its attention (stick-breaking,
             # PaTH)
             runnable = [b for b in runnable if b == FLA and cls.fla_kernel]

@@ -1,5 +1,6 @@
 """The fla backend: flash-linear-attention's Triton kernels (fla-core: `pip install posbench[fla]`), on CUDA only,
-for two kinds of attention that otherwise form [B, H, L, L] tensors. Each call is one kernel whatever its length.
+for attention that posbench's other paths run with [B, H, L, L] tensors or a dense mask. Each call is one kernel
+whatever its length.
 
 - A decay (`parallel_forgetting_attn`): FoX's forget gates and causal ALiBi's slopes. The logits get G_i - G_j,
   G the cumulative sum of the per-token decays g, which are the differences of the encoding's levels c
@@ -11,8 +12,8 @@ for two kinds of attention that otherwise form [B, H, L, L] tensors. Each call i
 
 It takes causal calls with no sliding window, whose queries are its keys: a call with a memory before its queries
 (segment recurrence) runs on sdpa (a decay) or eager. Hooks that need logits (a bias, a logit transform, ...) stay
-with sdpa, flex or eager. posbench's own
-backends are the reference it is tested against on a GPU (tests/test_cuda.py).
+with sdpa, flex or eager. posbench's own backends are the reference it is tested against on a GPU
+(tests/test_cuda.py).
 """
 from __future__ import annotations
 
@@ -70,11 +71,12 @@ KERNEL_HOOKS = {"stick_breaking": "normalize", "path": "logit_transform"}  # Enc
 PATH_HEAD_SIZES = (16, 32, 64, 128)  # fla-core's PaTH kernel
 
 
-def fla_runs(encoding) -> set[str]:
+def fla_missing_hooks(encoding) -> set[str]:
     """The hooks of `encoding` (an instance or its class) that backend=fla cannot run: empty where it runs it."""
     hooks = set(encoding.hooks) - {"embed"} - backend_hooks(FLA)
-    if encoding.fla_kernel == "path" or encoding.fla_kernel and "decay" not in encoding.hooks:  # PaTH's takes a decay
-        hooks.discard(KERNEL_HOOKS[encoding.fla_kernel])
+    kernel = encoding.fla_kernel
+    if kernel == "path" or (kernel and "decay" not in encoding.hooks):  # of the two kernels, PaTH's takes a decay
+        hooks.discard(KERNEL_HOOKS[kernel])
     return hooks
 
 
@@ -96,7 +98,7 @@ class FlaBackend(Backend):
     runs_windows = False
 
     def check(self, encoding) -> None:
-        missing = fla_runs(encoding)
+        missing = fla_missing_hooks(encoding)
         if missing:
             valid = [name for name in backends_for(set(encoding.hooks) - {"embed"}) if name != self.name]
             raise ValueError(f"backend=fla cannot run the {sorted(missing)} hook(s) that encoding {encoding.name} "
