@@ -15,6 +15,7 @@ from tests.helpers import ENCODING_CASES, posbench, positions_for, read_rows, tr
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 CUDA = torch.device("cuda")
+FLA_MISSING = importlib.util.find_spec("fla") is None  # backend=fla's kernels: pip install 'posbench[fla]'
 
 
 def on_cuda(reference: Transformer, causal: bool, heads: int, backend: str = "auto") -> Transformer:
@@ -56,9 +57,6 @@ def compare_with_the_cpu_reference(case, causal: bool, heads: int, backend: str 
 @pytest.mark.parametrize("case,causal", with_layouts(ENCODING_CASES))
 def test_the_cuda_backend_gives_the_cpu_reference(case, causal, heads):
     compare_with_the_cpu_reference(case, causal, heads)
-
-
-FLA_MISSING = importlib.util.find_spec("fla") is None
 
 
 @pytest.mark.skipif(FLA_MISSING, reason="fla-core is not installed: pip install 'posbench[fla]'")
