@@ -1,7 +1,13 @@
 """backend=fla (fla-core's Triton kernels for a per-token decay, stick-breaking and PaTH, CUDA only): where it is
 refused, and its wiring (the decay's levels to per-token log decays, the remainder term, the layouts, the scale,
-the hooks around the kernel) against the eager backend, with the kernels replaced on the CPU by their formulas.
-The kernels themselves are compared with the CPU's float64 reference on a GPU (tests/test_cuda.py)."""
+the hooks around the kernel) against the eager backend, with the kernels replaced on the CPU by their formulas;
+then fla-core's own kernels, run on the CPU by Triton's interpreter, against the float64 eager model, as
+tests/test_cuda.py compares them on a GPU."""
+import importlib.util
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -203,3 +209,33 @@ def test_the_guard_counts_no_eager_pairs_for_an_encoding_fla_runs_in_its_kernel(
     assert guard.training_attention_bytes(eager, batch, tokens) > 100 * fused
     with_kernel, _ = guard.attention_bytes(on_fla, None, 4096, batch, tokens, tokens, 0, "auto")
     assert with_kernel == 4.0 * batch * eager.model.cfg.n_heads * tokens * guard.FLOAT
+
+
+INTERPRETED = """
+import sys
+import triton.runtime.autotuner as autotuner
+autotuner.Autotuner._bench = lambda self, *args, **kwargs: [1.0, 1.0, 1.0]  # no device to time configurations on
+import torch
+import tests.test_cuda as on_device
+from posbench.attention import fla
+on_device.CUDA = torch.device("cpu")  # the interpreter runs the kernels on CPU tensors
+fla.fla_refusal = lambda cuda: None
+for case in sys.argv[1:]:
+    for heads in (1, 2):  # heads of 32 and 16 features
+        on_device.compare_with_the_cpu_reference(case, True, heads, backend="fla")
+        print(case, heads, "matches", flush=True)
+"""
+KERNEL_CASES = ["fox", "alibi", "nope", "stick_breaking", "path", "composite:path+fox"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is None or importlib.util.find_spec("triton") is None,
+                    reason="fla-core and triton are not installed (posbench[reference] installs them on Linux)")
+def test_fla_cores_kernels_through_tritons_interpreter_give_the_float64_eager_model():
+    """The kernels themselves (TRITON_INTERPRET=1 runs them on the CPU, in float32): logits within 1e-4 and each
+    gradient within 0.5% of the float64 eager model's, the comparison tests/test_cuda.py makes on a GPU."""
+    from tests.helpers import ROOT
+
+    done = subprocess.run([sys.executable, "-c", INTERPRETED, *KERNEL_CASES], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.stdout.split("\n")[:-1] == [f"{case} {heads} matches" for case in KERNEL_CASES for heads in (1, 2)]
