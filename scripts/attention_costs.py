@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -112,11 +113,11 @@ def parts(encoding, tokens: int, batch: int, device, backends: list[str]) -> dic
         found["bias alone"] = lambda: built_bias().backward(grad_bias)
     if encoding.name == "fire":
         def dense_bias():
-            with swapped(fire, "piecewise_linear_mlp", lambda mlp, values: mlp(values[..., None])):
+            with mock.patch.object(fire, "piecewise_linear_mlp", lambda mlp, values: mlp(values[..., None])):
                 built_bias().backward(grad_bias)
 
         def histogram_bias():
-            with swapped(fire, "segment_rows", SegmentRows.apply):
+            with mock.patch.object(fire, "segment_rows", SegmentRows.apply):
                 built_bias().backward(grad_bias)
         found["bias alone, dense MLP"] = dense_bias
         found["bias alone, segment sums by bincount"] = histogram_bias
@@ -177,20 +178,6 @@ class SegmentRows(torch.autograd.Function):
         bins = (segment[:, None] * heads + torch.arange(heads, device=grad.device)).reshape(-1)  # [N H]
         sums = torch.bincount(bins, weights=grad.reshape(-1), minlength=ctx.rows * heads)  # [S H]
         return sums.view(ctx.rows, heads).to(grad.dtype), None
-
-
-class swapped:
-    """A module's attribute replaced for the duration of a with-block."""
-
-    def __init__(self, module, name: str, value):
-        self.module, self.name, self.value = module, name, value
-
-    def __enter__(self):
-        self.kept = getattr(self.module, self.name)
-        setattr(self.module, self.name, self.value)
-
-    def __exit__(self, *exc):
-        setattr(self.module, self.name, self.kept)
 
 
 def measure(encoding_name: str, tokens: int, tokens_per_step: int, device, device_label: str,
