@@ -68,6 +68,18 @@ def model(name: str, backend: str, heads: int = 2, **params) -> Transformer:
     return net
 
 
+def eager_and_fla(build, ids, pos) -> dict:
+    """backend -> (logits, every parameter's gradient) of the model build(backend) makes, after one backward of
+    sin(logits).sum(), for eager and fla."""
+    results = {}
+    for backend in ("eager", "fla"):
+        net = build(backend).train()
+        logits = net(ids, pos)
+        logits.sin().sum().backward()
+        results[backend] = logits.detach(), {n: p.grad for n, p in net.named_parameters()}
+    return results
+
+
 @pytest.mark.parametrize("name,params", [("fox", {}), ("fox", {"output_norm": True, "output_gate": True}),
                                          ("alibi", {}), ("nope", {})])
 def test_the_fla_wiring_gives_the_eager_logits_and_gradients(name, params, monkeypatch):
@@ -75,12 +87,7 @@ def test_the_fla_wiring_gives_the_eager_logits_and_gradients(name, params, monke
     monkeypatch.setattr(fla, "forgetting_attention", forgetting_attention_by_formula)
     ids = torch.randint(0, 11, (2, 21), generator=torch.Generator().manual_seed(3))
     pos = torch.arange(21)[None] + 2
-    results = {}
-    for backend in ("eager", "fla"):
-        net = model(name, backend, **params).train()
-        logits = net(ids, pos)
-        logits.sin().sum().backward()
-        results[backend] = logits.detach(), {n: p.grad for n, p in net.named_parameters()}
+    results = eager_and_fla(lambda backend: model(name, backend, **params), ids, pos)
     # the kernel takes its decays in float32 (the models here are float64): agreement to float32's rounding
     assert_close_scaled(results["fla"][0], results["eager"][0], rtol=0, atol_scale=1e-6, name="logits")
     for parameter, grad in results["eager"][1].items():
@@ -95,14 +102,14 @@ def test_the_fla_stick_breaking_wiring_gives_the_eager_logits_and_gradients(rema
     monkeypatch.setattr(fla, "fla_refusal", lambda cuda: None)  # the CPU stands in for CUDA
     monkeypatch.setattr(fla, "stick_breaking_attention", stick_breaking_by_formula)
     ids = torch.randint(0, 11, (2, 12), generator=torch.Generator().manual_seed(6))
-    results = {}
-    for backend in ("eager", "fla"):
-        net = model("stick_breaking", backend, remainder=remainder, attend_current=attend_current).train()
+
+    def build(backend):
+        net = model("stick_breaking", backend, remainder=remainder, attend_current=attend_current)
         if remainder == "learned":
             torch.nn.init.normal_(net.encoding.head_bias, generator=torch.Generator().manual_seed(7))
-        logits = net(ids, torch.arange(12)[None])
-        logits.sin().sum().backward()
-        results[backend] = logits.detach(), {n: p.grad for n, p in net.named_parameters()}
+        return net
+
+    results = eager_and_fla(build, ids, torch.arange(12)[None])
     assert_close_scaled(results["fla"][0], results["eager"][0], rtol=0, atol_scale=1e-12, name="logits")
     for parameter, grad in results["eager"][1].items():
         assert_close_scaled(results["fla"][1][parameter], grad, rtol=1e-9, atol_scale=1e-11, name=parameter)
@@ -113,14 +120,14 @@ def test_the_fla_path_wiring_gives_the_eager_logits_and_gradients(name, params, 
     monkeypatch.setattr(fla, "fla_refusal", lambda cuda: None)  # the CPU stands in for CUDA
     monkeypatch.setattr(fla, "path_attention", path_by_formula)
     ids = torch.randint(0, 11, (2, 10), generator=torch.Generator().manual_seed(8))
-    results = {}
-    for backend in ("eager", "fla"):
-        net = model(name, backend, heads=1, **params).train()  # heads of 16 features: the kernel's smallest
+
+    def build(backend):
+        net = model(name, backend, heads=1, **params)  # heads of 16 features: the kernel's smallest
         for parameter in net.encoding.parameters():  # transforms far from the identity, gates far from 0.5
             torch.nn.init.normal_(parameter, std=0.5, generator=torch.Generator().manual_seed(9))
-        logits = net(ids, torch.arange(10)[None])
-        logits.sin().sum().backward()
-        results[backend] = logits.detach(), {n: p.grad for n, p in net.named_parameters()}
+        return net
+
+    results = eager_and_fla(build, ids, torch.arange(10)[None])
     tolerance = 1e-6 if params else 1e-12  # FoX's decays reach the kernel in float32 (the models here are float64)
     assert_close_scaled(results["fla"][0], results["eager"][0], rtol=0, atol_scale=tolerance, name="logits")
     for parameter, grad in results["eager"][1].items():
