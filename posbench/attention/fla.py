@@ -110,8 +110,6 @@ class FlaBackend(Backend):
         refusal = fla_refusal(q.is_cuda)
         if refusal:
             raise ValueError(refusal)
-        if not call.causal:
-            raise ValueError("backend=fla runs causal attention only; a bidirectional model: use backend=sdpa")
         if q.shape[-2] != k.shape[-2]:  # queries after a memory (segment recurrence): the kernels take none
             return fallback(call.encoding).attend(q, k, v, call)
         encoding, batch = call.encoding, q.shape[0]

@@ -35,14 +35,18 @@ def decay_columns(q: torch.Tensor) -> int:
 
 def with_decay_column(q, k, v, call: AttentionCall, scale: float, columns: int = 1):
     """q, k, v [B, H, L, d] -> [B, H, L, d + columns] whose scaled q.k carries c_ref - c_j: softmax as with
-    c_i - c_j. The decay's column comes first (q: ones, k: the levels, v: zeros), zeros after it."""
+    c_i - c_j."""
     ref = call.q_levels[..., :1]  # [B|1, H, 1]: the level of the first query
     column = ((ref - call.k_levels) / scale).to(k.dtype)[..., None]  # [B|1, H, Lk, 1]
-    zeros = columns - 1
-    q = torch.cat([q, torch.ones_like(q[..., :1]), q.new_zeros(*q.shape[:-1], zeros)], dim=-1)  # [B, H, Lq, d + c]
-    k = torch.cat([k, column.expand(k.shape[0], -1, -1, -1), k.new_zeros(*k.shape[:-1], zeros)],
-                  dim=-1)  # [B, H, Lk, d + c]
-    v = torch.cat([v, v.new_zeros(*v.shape[:-1], columns)], dim=-1)  # [B, H, Lk, d + c]
+    return with_columns(q, k, v, column.expand(k.shape[0], -1, -1, -1), columns)
+
+
+def with_columns(q, k, v, key_column: torch.Tensor, columns: int):
+    """q, k, v [B, H, L, d] -> [B, H, L, d + columns]: the decay's column first (q: ones, k: key_column
+    [B, H, Lk, 1], v: zeros), zeros after it."""
+    q = torch.cat([q, torch.ones_like(q[..., :1]), q.new_zeros(*q.shape[:-1], columns - 1)], dim=-1)
+    k = torch.cat([k, key_column.to(k.dtype), k.new_zeros(*k.shape[:-1], columns - 1)], dim=-1)
+    v = torch.cat([v, v.new_zeros(*v.shape[:-1], columns)], dim=-1)
     return q, k, v
 
 
@@ -63,10 +67,7 @@ class SdpaBackend(Backend):
         """q, k, v [B, H, L, d] -> [B, H, L, d + columns] once per layer (decay_columns): q's decay column ones,
         v's zeros, k's written by each block (its levels' reference is the block's first query), so blocks copy
         no keys; the padding columns zeros."""
-        columns = decay_columns(q)
-        q = torch.cat([q, torch.ones_like(q[..., :1]), q.new_zeros(*q.shape[:-1], columns - 1)], dim=-1)
-        k, v = (torch.cat([t, t.new_zeros(*t.shape[:-1], columns)], dim=-1) for t in (k, v))
-        return q, k, v  # [B, H, L, d + columns] each
+        return with_columns(q, k, v, torch.zeros_like(k[..., :1]), decay_columns(q))  # [B, H, L, d + columns] each
 
     def attend(self, q, k, v, call):
         width = v.shape[-1] - call.decay_room  # the output's: q and k may be wider (pope)

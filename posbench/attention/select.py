@@ -71,7 +71,7 @@ def runnable(encoding: Encoding, device, training: bool, dynamic_compile: bool, 
             continue
         if name == FLEX and flex_refusal(encoding, head_dim(encoding), on_cuda(device), training, dynamic_compile):
             continue
-        if name == FLA and (fla_refusal(on_cuda(device)) or not encoding.dims.causal):
+        if name == FLA and fla_refusal(on_cuda(device)):
             continue
         names.append(name)
     return names
