@@ -91,7 +91,7 @@ def test_rope_2d_matches_the_axial_equations():
     angles = torch.cat((cols[:, None] * theta, rows[:, None] * theta), dim=-1)  # [L, d/2]
     expected = rotate_complex(q, angles[None, None])
     got, _ = enc.qk(q, q, pos, pos, 0)
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    assert_close_scaled(got, expected, rtol=0, atol_scale=1e-12)
 
 
 def test_rope_2d_equals_the_papers_alternating_axes_up_to_a_pair_permutation():
@@ -125,7 +125,7 @@ def test_rope_mixed_matches_the_mixed_equations():
         fx, fy = enc.freqs[0, layer].detach(), enc.freqs[1, layer].detach()  # [H, d/2] each
         angles = fx[:, None, :] * cols[None, :, None] + fy[:, None, :] * rows[None, :, None]  # [H, L, d/2]
         got, _ = enc.qk(q, q, pos, pos, layer)
-        torch.testing.assert_close(got, rotate_complex(q, angles[None]), rtol=0, atol=1e-12)
+        assert_close_scaled(got, rotate_complex(q, angles[None]), rtol=0, atol_scale=1e-12)
 
 
 def test_rope_mixed_init_follows_rope_vit():
@@ -159,8 +159,8 @@ def test_pi_scaling_divides_both_axes_by_the_side_ratio(name):
     q = torch.randn(1, 2, 12, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     pos = grid_positions(3, 4, 5, 9)
     enc.set_eval_length(64, 256)  # the runner's token counts: 8^2 trained, 16^2 evaluated
-    torch.testing.assert_close(enc.qk(q, q, pos, pos, 1)[0], reference.qk(q, q, pos / 2, pos / 2, 1)[0],
-                               rtol=0, atol=1e-12)
+    assert_close_scaled(enc.qk(q, q, pos, pos, 1)[0], reference.qk(q, q, pos / 2, pos / 2, 1)[0], rtol=0,
+                        atol_scale=1e-12)
     enc.set_eval_length(64, 64)  # within the trained side: unscaled
     torch.testing.assert_close(enc.qk(q, q, pos, pos, 1)[0], reference.qk(q, q, pos, pos, 1)[0], rtol=0, atol=0)
     enc.set_eval_length(64, 256)
@@ -305,7 +305,7 @@ def test_a_block_of_queries_reads_its_slice(name):
     pos = grid_positions(4, 5)
     whole = logits_of(enc, q, k, pos, pos)
     block = logits_of(enc, q[:, :, 7:13], k, pos[:, 7:13], pos)
-    torch.testing.assert_close(block, whole[:, :, 7:13], rtol=0, atol=1e-12)
+    assert_close_scaled(block, whole[:, :, 7:13], rtol=0, atol_scale=1e-12)
 
 
 def test_2d_encodings_refuse_a_1d_task():
@@ -322,7 +322,7 @@ def test_2d_encodings_refuse_a_1d_task():
 def test_learned_2d_interpolation_reproduces_the_table_at_the_trained_size():
     enc = randomised(REGISTRY["learned_2d"](grid_dims(max_side=16, train_side=6))).double()
     table = enc.table.detach()
-    torch.testing.assert_close(resample_table(table, 6, 6), table, rtol=0, atol=1e-12)
+    assert_close_scaled(resample_table(table, 6, 6), table, rtol=0, atol_scale=1e-12)
     x, ids = torch.zeros(1, 36, 16, dtype=torch.float64), torch.zeros(1, 36, dtype=torch.long)
     out = enc.embed(x, grid_positions(6, 6), ids)  # the whole trained grid: the table itself
     torch.testing.assert_close(out[0], table.reshape(36, 16), rtol=0, atol=0)
@@ -335,7 +335,7 @@ def test_learned_2d_interpolation_resamples_past_the_table_bicubically():
     out = enc.embed(x, grid_positions(8, 8), ids)[0].reshape(8, 8, 16)
     expected = torch.nn.functional.interpolate(table.permute(2, 0, 1)[None], size=(8, 8), mode="bicubic",
                                                align_corners=False)[0].permute(1, 2, 0)
-    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    assert_close_scaled(out, expected, rtol=0, atol_scale=1e-12)
     # a row-constant table stays row-constant: resampling acts on each axis on its own
     with torch.no_grad():
         enc.table.copy_(torch.arange(4.0, dtype=torch.float64)[:, None, None].expand(4, 4, 16))
@@ -413,7 +413,7 @@ def test_composite_of_2d_parts_equals_its_parts():
     pos = grid_positions(3, 4)
     rq, rk = rope.qk(q, k, pos, pos, 0)
     expected = rq @ rk.transpose(-1, -2) / math.sqrt(8) + t5.bias(pos, pos, 0)
-    torch.testing.assert_close(logits_of(enc, q, k, pos, pos), expected, rtol=0, atol=1e-12)
+    assert_close_scaled(logits_of(enc, q, k, pos, pos), expected, rtol=0, atol_scale=1e-12)
     assert make_encoding("composite", parts=["nope", "alibi_2d"]).position_dims == 2  # no hooks: either kind
 
 
