@@ -29,7 +29,7 @@ from posbench.build import Built, build_checked, git_commit, resolve_device
 from posbench.checks import shown
 from posbench.evaluation import UNMEASURED, evaluate
 from posbench.guard import translate_oom
-from posbench.memory import freeze_live_objects
+from posbench.memory import live_objects_frozen
 from posbench.loggers import NullLogger, build_logger
 from posbench.metrics import TABLE_METRICS
 from posbench.results import ROW_FILE, RowWriter, plot_run
@@ -325,31 +325,31 @@ def run_built(cfg: DictConfig, built: Built, device: torch.device, run_dir: Path
     info.train_tokens_per_s = trained.tokens_per_s()
     done = {row["eval_length"]: row for row in distributed.broadcast(writer.rows)}  # rank 0's rows: its file's
     rows = []
-    freeze_live_objects()  # each length's memory measurement collects garbage: of the evaluation's alone
-    for length in tqdm(built.lengths, desc="evaluate", dynamic_ncols=True, mininterval=bar_interval(),
-                       disable=not main):
-        if length in done:
-            rows.append(done[length])
-            continue
-        status.update(phase="evaluate", length=length)
-        row = length_row(info, built, cfg, length)
-        if trained.status == "diverged":
-            row |= {"status": "diverged", **UNMEASURED}
-        else:
-            try:
-                cfg_eval = built.guard.eval_config(cfg.eval, length)
-                # a stop inside drops this length's partial sums (the same command evaluates it again)
-                with translate_oom(length, int(cfg_eval.batch_size)), stop.interruptible():
-                    row |= {"status": "ok", **evaluate(built, length, cfg_eval, device, cfg.train.precision, stop,
-                                                         trained.data_digest,
-                                                         built.guard.draw_batch(cfg.eval, length))}
-            except Exception as err:
-                write_failed_rows(writer, [row | failed_fields(err)])
-                raise
-        writer.write(row)
-        logger.log_eval(row)
-        rows.append(row)
-        status.update(lengths_done=[r["eval_length"] for r in rows])
+    with live_objects_frozen():  # each length's memory measurement collects garbage: of the evaluation's alone
+        for length in tqdm(built.lengths, desc="evaluate", dynamic_ncols=True, mininterval=bar_interval(),
+                           disable=not main):
+            if length in done:
+                rows.append(done[length])
+                continue
+            status.update(phase="evaluate", length=length)
+            row = length_row(info, built, cfg, length)
+            if trained.status == "diverged":
+                row |= {"status": "diverged", **UNMEASURED}
+            else:
+                try:
+                    cfg_eval = built.guard.eval_config(cfg.eval, length)
+                    # a stop inside drops this length's partial sums (the same command evaluates it again)
+                    with translate_oom(length, int(cfg_eval.batch_size)), stop.interruptible():
+                        row |= {"status": "ok", **evaluate(built, length, cfg_eval, device, cfg.train.precision, stop,
+                                                             trained.data_digest,
+                                                             built.guard.draw_batch(cfg.eval, length))}
+                except Exception as err:
+                    write_failed_rows(writer, [row | failed_fields(err)])
+                    raise
+            writer.write(row)
+            logger.log_eval(row)
+            rows.append(row)
+            status.update(lengths_done=[r["eval_length"] for r in rows])
     status.update(phase="figures", length=None)
     if main:
         if not cfg.train.save_checkpoint:

@@ -448,23 +448,25 @@ def test_a_data_parallel_rank_is_judged_on_its_rows_and_its_share_of_the_host(mo
 FREEZE = """
 import gc, weakref
 import torch
-from posbench.memory import freeze_live_objects, trim_heap
+from posbench.memory import live_objects_frozen, trim_heap
 class Node:
     pass
-freeze_live_objects()
-first, second = Node(), Node()
-first.other, second.other, first.tensor = second, first, torch.zeros(1 << 20)  # a cycle made after the freeze
-watched = weakref.ref(first)
-del first, second
-trim_heap()
-print(watched() is None, gc.get_freeze_count() > 1000, len(gc.get_objects()))
+with live_objects_frozen():
+    first, second = Node(), Node()
+    first.other, second.other, first.tensor = second, first, torch.zeros(1 << 20)  # a cycle made after the freeze
+    watched = weakref.ref(first)
+    del first, second
+    trim_heap()
+    print(watched() is None, gc.get_freeze_count() > 1000, len(gc.get_objects()))
+print(gc.get_freeze_count())
 """
 
 
 def test_after_the_freeze_trim_heap_still_collects_new_cycles_and_scans_only_them():
-    """freeze_live_objects (before evaluation) keeps each length's garbage collection to what was made since: a cycle
+    """live_objects_frozen (around evaluation) keeps each length's garbage collection to what was made since: a cycle
     made after it is collected, and the objects left for the collector are few (the imports' are frozen)."""
     done = subprocess.run([sys.executable, "-c", FREEZE], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
-    collected, frozen, tracked = done.stdout.split()
+    collected, frozen, tracked, after = done.stdout.split()
     assert collected == "True" and frozen == "True" and int(tracked) < 1000, done.stdout
+    assert after == "0"  # handed back to the collector at the block's end
