@@ -137,9 +137,10 @@ def attention_bytes(built, cfg, length: int, batch: int, tokens: int, keys: int,
     per_sequence = backend.per_sequence_logits
 
     def declared(block: int | None, pairs: float) -> float:
+        shape = LayerShape(batch, heads, tokens, keys, block, pairs, training=False)
         if backend.runs_kernel_of(encoding):
-            return 0.0
-        return encoding.extra_memory(layer, LayerShape(batch, heads, tokens, keys, block, pairs, training=False))
+            return encoding.kernel_memory(layer, shape)
+        return encoding.extra_memory(layer, shape)
 
     if not backend.takes_bias:  # flex: block masks, its own bounded memory
         return rows_fused + declared(None, 0.0), None
@@ -530,8 +531,9 @@ def training_attention_bytes(built, batch: int, tokens: int) -> float:
         logits = needs_logits(encoding.hooks) or window is not None
         if not backend.takes_bias or not (logits or backend.per_sequence_logits):
             # fused kernels keep their output and log-sum-exps
-            total += rows_fused + (0.0 if backend.runs_kernel_of(encoding) else encoding.extra_memory(
-                layer, LayerShape(batch, heads, tokens, tokens, None, 0.0, training=True)))
+            shape = LayerShape(batch, heads, tokens, tokens, None, 0.0, training=True)
+            total += rows_fused + (encoding.kernel_memory(layer, shape) if backend.runs_kernel_of(encoding)
+                                   else encoding.extra_memory(layer, shape))
             continue
         block = query_block(built, backend, window, batch, tokens, tokens, training=True)
         # each block of queries keeps its logits against its key prefix

@@ -138,7 +138,7 @@ def backend_calls(encoding, q, k, v, grad_out, new_call, device, backends: list[
     for name in backends:
         if name == "flex" and flex_refusal(encoding, q.shape[-1], device.type == "cuda", training=True):
             continue  # flex trains on CUDA only
-        if name == "fla" and (fla_refusal(device.type == "cuda") or fla_missing_hooks(encoding)):
+        if name == "fla" and (fla_refusal(device.type == "cuda", encoding) or fla_missing_hooks(encoding)):
             continue  # fla-core's kernels: CUDA, installed, an encoding they run
         backend = get_backend(name, encoding, device)
         try:

@@ -67,6 +67,13 @@ def test_fla_gives_the_cpu_reference(name, heads, monkeypatch):
     compare_with_the_cpu_reference(name, True, heads, backend="fla")
 
 
+@pytest.mark.parametrize("heads", [1, 2, 4])  # heads of 32, 16 and 8 features
+@pytest.mark.parametrize("name", ["cope", "composite:cope+rope"])
+def test_copes_kernel_gives_the_cpu_reference(name, heads):
+    """backend=fla runs CoPE on posbench's own Triton kernel (posbench.attention.cope_kernel): Triton alone."""
+    compare_with_the_cpu_reference(name, True, heads, backend="fla")
+
+
 @pytest.mark.parametrize("heads", [1, 2, 4])  # heads of 32, 16 and 8 features: the decay's column padded to 40, 24, 16
 @pytest.mark.parametrize("name", ["alibi", "fox"])
 def test_sdpa_with_the_decay_padded_to_a_multiple_of_8_gives_the_cpu_reference(name, heads):

@@ -83,7 +83,7 @@ def eager_and_fla(build, ids, pos) -> dict:
 @pytest.mark.parametrize("name,params", [("fox", {}), ("fox", {"output_norm": True, "output_gate": True}),
                                          ("alibi", {}), ("nope", {})])
 def test_the_fla_wiring_gives_the_eager_logits_and_gradients(name, params, monkeypatch):
-    monkeypatch.setattr(fla, "fla_refusal", lambda cuda: None)  # the CPU stands in for CUDA
+    monkeypatch.setattr(fla, "fla_refusal", lambda cuda, encoding=None: None)  # the CPU stands in for CUDA
     monkeypatch.setattr(fla, "forgetting_attention", forgetting_attention_by_formula)
     ids = torch.randint(0, 11, (2, 21), generator=torch.Generator().manual_seed(3))
     pos = torch.arange(21)[None] + 2
@@ -99,7 +99,7 @@ def test_the_fla_wiring_gives_the_eager_logits_and_gradients(name, params, monke
 @pytest.mark.parametrize("remainder", ["value", "learned", "none"])
 @pytest.mark.parametrize("attend_current", [False, True])
 def test_the_fla_stick_breaking_wiring_gives_the_eager_logits_and_gradients(remainder, attend_current, monkeypatch):
-    monkeypatch.setattr(fla, "fla_refusal", lambda cuda: None)  # the CPU stands in for CUDA
+    monkeypatch.setattr(fla, "fla_refusal", lambda cuda, encoding=None: None)  # the CPU stands in for CUDA
     monkeypatch.setattr(fla, "stick_breaking_attention", stick_breaking_by_formula)
     ids = torch.randint(0, 11, (2, 12), generator=torch.Generator().manual_seed(6))
 
@@ -117,7 +117,7 @@ def test_the_fla_stick_breaking_wiring_gives_the_eager_logits_and_gradients(rema
 
 @pytest.mark.parametrize("name,params", [("path", {}), ("composite", {"parts": ["path", "fox"]})])  # PaTH, PaTH-FoX
 def test_the_fla_path_wiring_gives_the_eager_logits_and_gradients(name, params, monkeypatch):
-    monkeypatch.setattr(fla, "fla_refusal", lambda cuda: None)  # the CPU stands in for CUDA
+    monkeypatch.setattr(fla, "fla_refusal", lambda cuda, encoding=None: None)  # the CPU stands in for CUDA
     monkeypatch.setattr(fla, "path_attention", path_by_formula)
     ids = torch.randint(0, 11, (2, 10), generator=torch.Generator().manual_seed(8))
 
@@ -143,7 +143,7 @@ def test_the_fla_path_wiring_gives_the_eager_logits_and_gradients(name, params, 
 def test_segments_after_a_memory_give_one_pass(name, monkeypatch):
     """A segment attending to the last one's keys (wikitext's recurrence) is a call the kernels do not take: it runs
     on sdpa (a decay) or eager, and two segments give the logits of one pass."""
-    monkeypatch.setattr(fla, "fla_refusal", lambda cuda: None)
+    monkeypatch.setattr(fla, "fla_refusal", lambda cuda, encoding=None: None)
     kernels = {"forgetting_attention": forgetting_attention_by_formula, "path_attention": path_by_formula,
                "stick_breaking_attention": stick_breaking_by_formula}
     for kernel, formula in kernels.items():
@@ -187,7 +187,7 @@ def test_fla_is_refused_where_it_cannot_run(monkeypatch):
 
 
 def test_path_with_heads_the_kernel_lacks_is_refused_naming_eager(monkeypatch):
-    monkeypatch.setattr(fla, "fla_refusal", lambda cuda: None)
+    monkeypatch.setattr(fla, "fla_refusal", lambda cuda, encoding=None: None)
     net = model("path", "fla", heads=2)  # heads of 8 features
     with pytest.raises(ValueError, match=r"heads of \[16, 32, 64, 128\] features .*not 8; use backend=eager"):
         net(torch.zeros(1, 5, dtype=torch.long), torch.arange(5)[None])
@@ -226,7 +226,7 @@ import torch
 import tests.test_cuda as on_device
 from posbench.attention import fla
 on_device.CUDA = torch.device("cpu")  # the interpreter runs the kernels on CPU tensors
-fla.fla_refusal = lambda cuda: None
+fla.fla_refusal = lambda cuda, encoding=None: None
 for case in sys.argv[1:]:
     for heads in (1, 2):  # heads of 32 and 16 features
         on_device.compare_with_the_cpu_reference(case, True, heads, backend="fla")

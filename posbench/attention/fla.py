@@ -1,6 +1,6 @@
-"""The fla backend: flash-linear-attention's Triton kernels (fla-core: `pip install posbench[fla]`), on CUDA only,
-for attention that posbench's other paths run with [B, H, L, L] tensors or a dense mask. Each call is one kernel
-whatever its length.
+"""The fla backend: Triton kernels, on CUDA only, for attention that posbench's other paths run with [B, H, L, L]
+tensors or a dense mask: flash-linear-attention's (fla-core: `pip install posbench[fla]`) and posbench's own for
+CoPE (posbench.attention.cope_kernel, which needs Triton alone). Each call is one kernel whatever its length.
 
 - A decay (`parallel_forgetting_attn`): FoX's forget gates and causal ALiBi's slopes. The logits get G_i - G_j,
   G the cumulative sum of the per-token decays g, which are the differences of the encoding's levels c
@@ -8,7 +8,8 @@ whatever its length.
 - An encoding whose logit hook is the attention of one of fla's kernels (`Encoding.fla_kernel`):
   stick-breaking (`parallel_stickbreaking_attn`; the unclaimed share r_i the kernel returns goes to the
   encoding's remainder term) and PaTH (`parallel_path_attn`, from the encoding's w and beta; beside FoX's decay
-  too, PaTH-FoX as a composite).
+  too, PaTH-FoX as a composite); and CoPE (posbench's kernel, its gates from the logits: CoPE beside nothing that
+  adds to them).
 
 It takes causal calls with no sliding window, whose queries are its keys: a call with a memory before its queries
 (segment recurrence) runs on sdpa (a decay) or eager. Hooks that need logits (a bias, a logit transform, ...) stay
@@ -22,6 +23,7 @@ import importlib.util
 import torch
 
 from posbench.attention.backend import Backend
+from posbench.attention.cope_kernel import cope_attention
 from posbench.attention.eager import EagerBackend
 from posbench.attention.sdpa import SdpaBackend
 from posbench.hooks import FLA, backend_hooks, backends_for
@@ -29,10 +31,17 @@ from posbench.hooks import FLA, backend_hooks, backends_for
 EXTRA = "pip install 'posbench[fla]'"
 
 
-def fla_refusal(cuda: bool) -> str | None:
-    """Why the fla backend cannot run here, or None where it can."""
+OWN_KERNELS = ("cope",)  # Encoding.fla_kernel values whose kernel is posbench's (Triton alone, no fla-core)
+
+
+def fla_refusal(cuda: bool, encoding=None) -> str | None:
+    """Why the fla backend cannot run `encoding` here (any of its kernels where None), or None where it can."""
     if not cuda:
         return "backend=fla runs on CUDA only (Triton kernels); use backend=sdpa or auto"
+    if encoding is not None and encoding.fla_kernel in OWN_KERNELS:
+        if importlib.util.find_spec("triton") is None:
+            return "backend=fla runs CoPE's kernel with Triton, which this torch lacks; use backend=eager"
+        return None
     if importlib.util.find_spec("fla") is None:
         return f"backend=fla needs fla-core ({EXTRA}); or use backend=sdpa or auto"
     return None
@@ -67,7 +76,7 @@ def path_attention(q, k, v, w, beta, g, scale: float) -> torch.Tensor:
     return parallel_path_attn(q, k, v, w, beta, g, scale=scale)[0]
 
 
-KERNEL_HOOKS = {"stick_breaking": "normalize", "path": "logit_transform"}  # Encoding.fla_kernel -> the hook it runs
+KERNEL_HOOKS = {"stick_breaking": "normalize", "path": "logit_transform", "cope": "logit_transform"}  # Encoding.fla_kernel -> the hook it runs
 PATH_HEAD_SIZES = (16, 32, 64, 128)  # fla-core's PaTH kernel
 
 
@@ -75,8 +84,10 @@ def fla_missing_hooks(encoding) -> set[str]:
     """The hooks of `encoding` (an instance or its class) that backend=fla cannot run: empty where it runs it."""
     hooks = set(encoding.hooks) - {"embed"} - backend_hooks(FLA)
     kernel = encoding.fla_kernel
-    if kernel == "path" or (kernel and "decay" not in encoding.hooks):  # of the two kernels, PaTH's takes a decay
-        hooks.discard(KERNEL_HOOKS[kernel])
+    if kernel == "path" or (kernel and "decay" not in encoding.hooks):  # of the kernels, PaTH's alone takes a decay
+        others = [part for part in getattr(encoding, "parts", ()) if not part.fla_kernel]
+        if not any(KERNEL_HOOKS[kernel] in part.hooks for part in others):  # a part's hook the kernel would skip
+            hooks.discard(KERNEL_HOOKS[kernel])
     return hooks
 
 
@@ -107,15 +118,17 @@ class FlaBackend(Backend):
             raise ValueError("backend=fla runs causal attention only; a bidirectional model: use backend=sdpa")
 
     def attend(self, q, k, v, call):
-        refusal = fla_refusal(q.is_cuda)
+        refusal = fla_refusal(q.is_cuda, call.encoding)
         if refusal:
             raise ValueError(refusal)
         if q.shape[-2] != k.shape[-2]:  # queries after a memory (segment recurrence): the kernels take none
             return fallback(call.encoding).attend(q, k, v, call)
         encoding, batch = call.encoding, q.shape[0]
         scale = encoding.logit_scale(q.shape[-1])
-        q_, k_, v_ = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, L, H, d] each
         owner = kernel_owner(encoding)
+        if encoding.fla_kernel == "cope":
+            return cope_attention(q, k, v, owner.scaled_table(call.layer, k.shape[-2]), scale, True)  # [B, H, L, d]
+        q_, k_, v_ = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, L, H, d] each
         if encoding.fla_kernel == "stick_breaking":
             out, rest = stick_breaking_attention(q_, k_, v_, scale, owner.attend_current)  # [B, L, H, d], [B, L, H]
             out = out.transpose(1, 2).to(v.dtype)  # [B, H, L, d]

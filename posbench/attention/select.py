@@ -71,7 +71,7 @@ def runnable(encoding: Encoding, device, training: bool, dynamic_compile: bool, 
             continue
         if name == FLEX and flex_refusal(encoding, head_dim(encoding), on_cuda(device), training, dynamic_compile):
             continue
-        if name == FLA and fla_refusal(on_cuda(device)):
+        if name == FLA and fla_refusal(on_cuda(device), encoding):
             continue
         names.append(name)
     return names
@@ -89,7 +89,7 @@ def measured_backend(name: str, encoding: Encoding, device, tokens: int, compile
         if refusal:
             raise ValueError(refusal)
     if chosen.name == FLA:  # named outright: refused before training where it cannot run
-        refusal = fla_refusal(on_cuda(device))
+        refusal = fla_refusal(on_cuda(device), encoding)
         if refusal:
             raise ValueError(refusal)
     path = crossover.table_path(device) if name == "auto" else None

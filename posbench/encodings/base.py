@@ -163,6 +163,11 @@ class Encoding(nn.Module):
         Default: none."""
         return 0.0
 
+    def kernel_memory(self, layer: int, shape: LayerShape) -> float:
+        """Bytes the kernel of `fla_kernel` holds beyond its output and per-row buffers, where backend=fla runs this
+        encoding's attention (extra_memory is then not allocated). Default: none."""
+        return 0.0
+
     def embed(self, x: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [B, L, D] token embeddings, pos: [B', L] ([B', L, 2] if position_dims = 2), ids: [B, L] -> [B, L, D]."""
         return x

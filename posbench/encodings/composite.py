@@ -176,6 +176,9 @@ class Composite(Encoding):
     def extra_memory(self, layer: int, shape: LayerShape) -> float:
         return sum(part.extra_memory(layer, shape) for part in self.parts)
 
+    def kernel_memory(self, layer: int, shape: LayerShape) -> float:
+        return sum(part.kernel_memory(layer, shape) for part in self.parts)
+
     def set_train_step(self, step: int, total: int) -> None:
         for part in self.parts:
             part.set_train_step(step, total)

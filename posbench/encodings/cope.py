@@ -29,7 +29,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from posbench.checks import Integer
-from posbench.encodings.base import Encoding, LayerShape, ModelDims
+from posbench.encodings.base import FLOAT_BYTES, Encoding, LayerShape, ModelDims
 
 
 class _Positional(torch.autograd.Function):
@@ -106,6 +106,7 @@ class _Positional(torch.autograd.Function):
 class CoPE(Encoding):
     name = "cope"
     hooks = frozenset({"logit_transform"})
+    fla_kernel = "cope"  # backend=fla: posbench's Triton kernel (posbench.attention.cope_kernel), no [B, H, L, L]
     relative = True  # reads no positions at all
     reads_query_key = True  # beside a rotation it reads rotated q and k: no longer relative
 
@@ -123,12 +124,22 @@ class CoPE(Encoding):
         # weight and lookups; training keeps the gates and positions for the backward
         return shape.pair_bytes(4.5 if shape.training else 3.5)
 
+    def scaled_table(self, layer: int, keys: int, dtype=torch.float32) -> torch.Tensor:
+        """e / sqrt(d) for a call over `keys` keys, with a zero row past the last (z[f + 1] where p clamps, weighed
+        0): [rows + 1, d], rows = min(npos, keys + 1), as p <= the keys and the rows past them are never read."""
+        rows = min(self.npos, keys + 1)
+        e = self.table[layer, :rows].to(dtype) * self.logit_scale(self.table.shape[-1])  # [rows, d]
+        return nn.functional.pad(e, (0, 0, 0, 1))  # [rows + 1, d]
+
+    def kernel_memory(self, layer: int, shape: LayerShape) -> float:
+        # z = q . e^T [B, H, Lq, rows + 1] kept for the backward, which adds its gradient; none of the pairs
+        rows = min(self.npos, shape.keys + 1) + 1
+        return (2.0 if shape.training else 1.0) * FLOAT_BYTES * shape.batch * shape.heads * shape.tokens * rows
+
     def logit_transform(self, logits, q, k, call):
         compute = torch.promote_types(q.dtype, torch.float32)  # the gates, their sums and r
         scale = self.logit_scale(q.shape[-1])
-        rows = min(self.npos, k.shape[-2] + 1)  # p <= the keys: the rows past them are never read
-        e = self.table[call.layer, :rows].to(compute) * scale  # [rows, d]
-        e = nn.functional.pad(e, (0, 0, 0, 1))  # a zero row past the last: z[f + 1] where p clamps, weighed 0
+        e = self.scaled_table(call.layer, k.shape[-2], compute)  # [rows + 1, d]
         visible = call.visible()  # [Lq, Lk] or None
         hidden = None
         if visible is not None and torch.compiler.is_compiling():  # no host read inside a compiled graph
