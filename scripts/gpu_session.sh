@@ -68,7 +68,7 @@ run)
                 tests/test_cuda.py::test_the_captured_step_trains_on_cuda_to_the_uncompiled_losses \
                 tests/test_cuda.py::test_sdpa_with_the_decay_padded_to_a_multiple_of_8_gives_the_cpu_reference \
                 tests/test_cuda.py::test_fla_gives_the_cpu_reference \
-                tests/test_cuda.py::test_copes_kernel_gives_the_cpu_reference \
+                tests/test_cuda.py::test_posbenchs_kernels_give_the_cpu_reference \
                 tests/test_cuda.py::test_a_compiled_mode_trains_on_cuda_to_the_uncompiled_losses \
                 tests/test_gpu_slots.py::test_two_concurrent_jobs_run_on_the_gpus_of_their_slots \
                 tests/test_cuda.py::test_a_seeds_gpu_run_trains_and_evaluates_on_the_cpu_runs_sequences \

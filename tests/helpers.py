@@ -1,6 +1,7 @@
 """Helpers shared by the test modules (fixtures live in conftest.py): configs composed as Hydra
 composes them, `python -m posbench` in a subprocess and the rows it writes, encodings and small
 models built as the runner builds them."""
+import importlib.util
 import json
 import math
 import os
@@ -157,9 +158,12 @@ def with_layouts(cases) -> list[tuple[str, bool]]:
 
 
 def make_case(case: str, **kwargs):
-    """The encoding of an ENCODING_CASES entry: a registered name, or composite:part+part."""
+    """The encoding of an ENCODING_CASES entry: a registered name, or composite:part+part; either may end in
+    ?key=value&key=value, the encoding's parameters (values read as YAML), e.g. dape?base=alibi&mlp_width=8."""
+    case, _, query = case.partition("?")
+    params = {key: yaml.safe_load(value) for key, value in (pair.split("=", 1) for pair in query.split("&") if query)}
     name, _, parts = case.partition(":")
-    return make_encoding(name, **kwargs, **({"parts": parts.split("+")} if parts else {}))
+    return make_encoding(name, **kwargs, **params, **({"parts": parts.split("+")} if parts else {}))
 
 
 def positions_for(encoding: str | Encoding, length: int, shift: int = 0) -> torch.Tensor:
@@ -296,3 +300,41 @@ def wandb_records(path: Path):
             record.ParseFromString(pending)
             pending = b""
             yield record
+
+
+NO_TRITON = importlib.util.find_spec("triton") is None  # posbench's kernels (and fla-core's) need it: Linux wheels
+
+# A model on backend=fla against the float64 eager model (tests/test_cuda.py's check), on the CPU: argv names the
+# cases, each checked with heads of 32 and 8 features; it prints "<case> <heads> matches" where the named kernel ran
+INTERPRETED_MODEL = """
+import sys
+import torch
+import tests.test_cuda as on_device
+from posbench.attention import fla
+on_device.CUDA = torch.device("cpu")  # the interpreter runs the kernels on CPU tensors
+fla.fla_refusal = lambda cuda, encoding=None: None
+kernel_name, cases = sys.argv[1], sys.argv[2:]
+calls = []
+kernel = getattr(fla, kernel_name)
+setattr(fla, kernel_name, lambda *args: calls.append(1) or kernel(*args))
+for case in cases:
+    for heads in (1, 4):
+        calls.clear()
+        on_device.compare_with_the_cpu_reference(case, True, heads, backend="fla")
+        print(case, heads, "matches" if calls else "never ran the kernel", flush=True)
+"""
+
+
+def run_interpreted(script: str, *args: str) -> subprocess.CompletedProcess:
+    """`script` with `args` in a fresh Python under Triton's interpreter (TRITON_INTERPRET=1, which Triton reads when
+    a kernel is defined), from the project's root."""
+    return subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+
+
+def assert_kernel_models_match(kernel_name: str, cases: list[str]) -> None:
+    """Each case's model on backend=fla, its kernel `kernel_name` (an attribute of posbench.attention.fla) run by
+    Triton's interpreter, gives the float64 eager model's logits and gradients."""
+    done = run_interpreted(INTERPRETED_MODEL, kernel_name, *cases)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.stdout.split("\n")[:-1] == [f"{case} {heads} matches" for case in cases for heads in (1, 4)]

@@ -3,19 +3,13 @@ CPU (TRITON_INTERPRET=1, in a subprocess: the flag is read when the kernels are 
 float64 and against the eager model. tests/test_cuda.py repeats the model comparison on a GPU."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from posbench.attention import fla
-from tests.helpers import ROOT, make_case
-
-NO_TRITON = importlib.util.find_spec("triton") is None
+from tests.helpers import NO_TRITON, assert_kernel_models_match, make_case, run_interpreted
 
 
 def cope_by_formula(q, k, v, e, scale, causal):
@@ -81,8 +75,7 @@ FORMULA_CASES = ["37,16,20,1", "37,16,40,1", "40,8,12,1", "33,32,34,0", "16,16,1
 
 @pytest.mark.skipif(NO_TRITON, reason="triton is not installed (CUDA builds of torch ship it)")
 def test_the_kernel_through_tritons_interpreter_gives_the_formula_and_its_gradients():
-    done = subprocess.run([sys.executable, "-c", FORMULA, *FORMULA_CASES], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    done = run_interpreted(FORMULA, *FORMULA_CASES)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().split("\n")[-1])
     assert sorted(found) == sorted(FORMULA_CASES)
@@ -91,32 +84,10 @@ def test_the_kernel_through_tritons_interpreter_gives_the_formula_and_its_gradie
             assert error < 2e-5, f"case {case}: {name} off by {error:.1e} of its largest entry"
 
 
-MODEL = """
-import sys
-import torch
-import tests.test_cuda as on_device
-from posbench.attention import fla
-on_device.CUDA = torch.device("cpu")  # the interpreter runs the kernel on CPU tensors
-fla.fla_refusal = lambda cuda, encoding=None: None
-calls = []
-kernel = fla.cope_attention
-fla.cope_attention = lambda *args: calls.append(1) or kernel(*args)
-for case in sys.argv[1:]:
-    for heads in (1, 4):  # heads of 32 and 8 features
-        calls.clear()
-        on_device.compare_with_the_cpu_reference(case, True, heads, backend="fla")
-        print(case, heads, "matches" if calls else "never ran the kernel", flush=True)
-"""
-MODEL_CASES = ["cope", "composite:cope+rope"]
-
-
 @pytest.mark.skipif(NO_TRITON, reason="triton is not installed (CUDA builds of torch ship it)")
 def test_a_model_on_the_kernel_gives_the_float64_eager_model():
     """Logits within 1e-4 and each gradient within 0.5% of the float64 eager model's (tests/test_cuda.py's check)."""
-    done = subprocess.run([sys.executable, "-c", MODEL, *MODEL_CASES], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert done.stdout.split("\n")[:-1] == [f"{case} {heads} matches" for case in MODEL_CASES for heads in (1, 4)]
+    assert_kernel_models_match("cope_attention", ["cope", "composite:cope+rope"])
 
 
 @pytest.mark.parametrize("case", ["composite:cope+alibi", "composite:cope+dape"])

@@ -174,9 +174,9 @@ def test_fla_is_refused_where_it_cannot_run(monkeypatch):
                                          r"'eager'\]"):
         t5 = make_encoding("t5", d_model=32)
         get_backend("fla", t5).check(t5)
-    dape = make_encoding("dape", d_model=32)  # a logit transform: no fla kernel
+    dape_v2 = make_encoding("dape", d_model=32, version=2)  # a logit transform with no kernel (v1 has one)
     with pytest.raises(ValueError, match=r"backend=fla cannot run the \['logit_transform'\] hook"):
-        get_backend("fla", dape).check(dape)
+        get_backend("fla", dape_v2).check(dape_v2)
     stick_and_decay = make_encoding("composite", d_model=32, parts=["stick_breaking", "alibi"])
     # that kernel takes no decay
     with pytest.raises(ValueError, match=r"backend=fla cannot run the \['normalize'\] hook"):
@@ -194,7 +194,7 @@ def test_path_with_heads_the_kernel_lacks_is_refused_naming_eager(monkeypatch):
 
 
 def test_auto_never_picks_fla():
-    for name in ("fox", "alibi", "nope", "stick_breaking", "path"):
+    for name in ("fox", "alibi", "nope", "stick_breaking", "path", "cope", "dape"):
         assert get_backend("auto", make_encoding(name, d_model=32), torch.device("cpu")).name != "fla"
 
 

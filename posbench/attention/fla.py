@@ -1,6 +1,7 @@
 """The fla backend: Triton kernels, on CUDA only, for attention that posbench's other paths run with [B, H, L, L]
 tensors or a dense mask: flash-linear-attention's (fla-core: `pip install posbench[fla]`) and posbench's own for
-CoPE (posbench.attention.cope_kernel, which needs Triton alone). Each call is one kernel whatever its length.
+CoPE and DAPE (posbench.attention.cope_kernel and dape_kernel, which need Triton alone). Each call is one kernel
+whatever its length.
 
 - A decay (`parallel_forgetting_attn`): FoX's forget gates and causal ALiBi's slopes. The logits get G_i - G_j,
   G the cumulative sum of the per-token decays g, which are the differences of the encoding's levels c
@@ -8,8 +9,9 @@ CoPE (posbench.attention.cope_kernel, which needs Triton alone). Each call is on
 - An encoding whose logit hook is the attention of one of fla's kernels (`Encoding.fla_kernel`):
   stick-breaking (`parallel_stickbreaking_attn`; the unclaimed share r_i the kernel returns goes to the
   encoding's remainder term) and PaTH (`parallel_path_attn`, from the encoding's w and beta; beside FoX's decay
-  too, PaTH-FoX as a composite); and CoPE (posbench's kernel, its gates from the logits: CoPE beside nothing that
-  adds to them).
+  too, PaTH-FoX as a composite); CoPE (posbench's kernel, its gates from the logits: CoPE beside nothing that
+  adds to them) and DAPE v1 (posbench's kernel, the network over every head of a tile; the base's bias formed
+  once per call, [B', H, L, L]).
 
 It takes causal calls with no sliding window, whose queries are its keys: a call with a memory before its queries
 (segment recurrence) runs on sdpa (a decay) or eager. Hooks that need logits (a bias, a logit transform, ...) stay
@@ -24,14 +26,16 @@ import torch
 
 from posbench.attention.backend import Backend
 from posbench.attention.cope_kernel import cope_attention
+from posbench.attention.dape_kernel import dape_attention
 from posbench.attention.eager import EagerBackend
 from posbench.attention.sdpa import SdpaBackend
+from posbench.encodings.dape import BIASED
 from posbench.hooks import FLA, backend_hooks, backends_for
 
 EXTRA = "pip install 'posbench[fla]'"
 
 
-OWN_KERNELS = ("cope",)  # Encoding.fla_kernel values whose kernel is posbench's (Triton alone, no fla-core)
+OWN_KERNELS = ("cope", "dape")  # Encoding.fla_kernel values whose kernel is posbench's (Triton alone, no fla-core)
 
 
 def fla_refusal(cuda: bool, encoding=None) -> str | None:
@@ -40,7 +44,8 @@ def fla_refusal(cuda: bool, encoding=None) -> str | None:
         return "backend=fla runs on CUDA only (Triton kernels); use backend=sdpa or auto"
     if encoding is not None and encoding.fla_kernel in OWN_KERNELS:
         if importlib.util.find_spec("triton") is None:
-            return "backend=fla runs CoPE's kernel with Triton, which this torch lacks; use backend=eager"
+            return (f"backend=fla runs {encoding.name}'s kernel with Triton, which this torch lacks; "
+                    "use backend=eager")
         return None
     if importlib.util.find_spec("fla") is None:
         return f"backend=fla needs fla-core ({EXTRA}); or use backend=sdpa or auto"
@@ -76,7 +81,8 @@ def path_attention(q, k, v, w, beta, g, scale: float) -> torch.Tensor:
     return parallel_path_attn(q, k, v, w, beta, g, scale=scale)[0]
 
 
-KERNEL_HOOKS = {"stick_breaking": "normalize", "path": "logit_transform", "cope": "logit_transform"}  # Encoding.fla_kernel -> the hook it runs
+KERNEL_HOOKS = {"stick_breaking": "normalize", "path": "logit_transform", "cope": "logit_transform",
+                "dape": "logit_transform"}  # Encoding.fla_kernel -> the hook it runs
 PATH_HEAD_SIZES = (16, 32, 64, 128)  # fla-core's PaTH kernel
 
 
@@ -128,6 +134,11 @@ class FlaBackend(Backend):
         owner = kernel_owner(encoding)
         if encoding.fla_kernel == "cope":
             return cope_attention(q, k, v, owner.scaled_table(call.layer, k.shape[-2]), scale, True)  # [B, H, L, d]
+        if encoding.fla_kernel == "dape":
+            first, act, last = owner.net
+            bias = owner.base_bias(call) if owner.base_name in BIASED else None  # [B', H, L, L]
+            return dape_attention(q, k, v, bias, first.weight, first.bias, last.weight, last.bias, act.negative_slope,
+                                  scale)  # [B, H, L, d]
         q_, k_, v_ = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, L, H, d] each
         if encoding.fla_kernel == "stick_breaking":
             out, rest = stick_breaking_attention(q_, k_, v_, scale, owner.attend_current)  # [B, L, H, d], [B, L, H]

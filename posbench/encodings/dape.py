@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from posbench.checks import Choice, Integer
 from posbench.encodings.alibi import ALiBi
-from posbench.encodings.base import Encoding, LayerShape, ModelDims
+from posbench.encodings.base import FLOAT_BYTES, Encoding, LayerShape, ModelDims
 from posbench.encodings.fire import FIRE
 from posbench.encodings.kerple import Kerple
 from posbench.encodings.rope import RoPE
@@ -54,6 +54,7 @@ BIASED = ("alibi", "kerple", "fire")  # bases whose bias the network reads besid
 class DAPE(Encoding):
     name = "dape"
     hooks = frozenset({"logit_transform"})  # the default base kerple's; base rope adds qk
+    fla_kernel = "dape"  # backend=fla: posbench's Triton kernel for v1 (posbench.attention.dape_kernel); v2 has none
     relative = True  # as its base: fire is not relative
 
     def __init__(self, dims: ModelDims, version: int = 1, base: str = "kerple", mlp_width: int = 32,
@@ -69,6 +70,7 @@ class DAPE(Encoding):
         self.base_name = base
         self.base = build_base(base, dims, dict(base_params or {}))
         self.hooks = frozenset({"logit_transform", *(("qk",) if base == "rope" else ())})
+        self.fla_kernel = "dape" if self.version == 1 else ""
         self.relative = self.base is None or self.base.relative
         heads, width = dims.n_heads, self.mlp_width
         features = 2 * heads if base in BIASED else heads
@@ -103,6 +105,13 @@ class DAPE(Encoding):
         # training: the base bias and the MLP's input and output over every pair, kept for the backward; in
         # evaluation they go tile by tile
         return shape.pair_bytes(4.5) if shape.training else 0.0
+
+    def kernel_memory(self, layer: int, shape: LayerShape) -> float:
+        # the base's bias [1, H, Lq, Lk], formed once per call (training: with its gradient and what autograd keeps
+        # to differentiate it); the kernel forms nothing of the batch's pairs
+        if self.base_name not in BIASED:
+            return 0.0
+        return (3.0 if shape.training else 1.0) * FLOAT_BYTES * shape.heads * shape.tokens * shape.keys
 
     def logit_transform(self, logits, q, k, call):
         bias = self.base_bias(call).to(logits.dtype) if self.base_name in BIASED else None  # [B', H, Lq, Lk]
