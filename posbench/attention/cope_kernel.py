@@ -26,8 +26,15 @@ try:
 except ImportError:  # the kernel needs Triton (CUDA torch ships it); cope_attention refuses without it
     triton = None
 
-BLOCK_M, BLOCK_N = 64, 32  # queries and keys per tile
 INTERPRETED_BLOCKS = 16, 16  # smaller tiles where Triton's interpreter runs the kernel on the CPU
+
+
+def tiles(head_dim: int) -> tuple[int, int, int]:
+    """Queries and keys per tile and warps for heads of `head_dim` features (padded to a power of 2): no register
+    spills on sm_90 up to 32 features, few at 64 (scripts/kernel_resources.py)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return (*INTERPRETED_BLOCKS, 4)
+    return (32 if head_dim <= 32 else 16), 16, 4
 
 
 if triton is not None:
@@ -156,13 +163,11 @@ if triton is not None:
         tl.store(dq_ptr + rows_m, dq, mask=in_m[:, None] & in_d[None, :])
 
 
-def _blocks() -> tuple[int, int]:
-    return INTERPRETED_BLOCKS if os.environ.get("TRITON_INTERPRET") == "1" else (BLOCK_M, BLOCK_N)
-
-
-def _launch_shape(q: torch.Tensor) -> dict:
-    d = q.shape[-1]
-    return {"D": d, "DP": max(16, triton.next_power_of_2(d))}
+def _launch(q: torch.Tensor) -> dict:
+    """The kernels' head size (padded to the products' 16 features), tiles and warps."""
+    padded = max(16, triton.next_power_of_2(q.shape[-1]))
+    queries, keys, warps = tiles(padded)
+    return {"D": q.shape[-1], "DP": padded, "BM": queries, "BN": keys, "num_warps": warps}
 
 
 class _CoPEAttention(torch.autograd.Function):
@@ -175,11 +180,10 @@ class _CoPEAttention(torch.autograd.Function):
         z = (q.to(e.dtype) @ e.T).contiguous()  # [B, H, L, rows + 1]
         out = torch.empty_like(q)
         lse, total = (q.new_empty(batch, heads, length, dtype=torch.float32) for _ in range(2))
-        bm, bn = _blocks()
-        ieee = q.dtype == torch.float32
-        grid = (triton.cdiv(length, bm), batch * heads)
-        _forward[grid](q, k, v, z, out, lse, total, length, rows, scale, CAUSAL=causal, IEEE=ieee,
-                       ZW=rows + 1, BM=bm, BN=bn, **_launch_shape(q))
+        launch = _launch(q)
+        grid = (triton.cdiv(length, launch["BM"]), batch * heads)
+        _forward[grid](q, k, v, z, out, lse, total, length, rows, scale, CAUSAL=causal, IEEE=q.dtype == torch.float32,
+                       ZW=rows + 1, **launch)
         ctx.save_for_backward(q, k, v, e, z, out, lse, total)
         ctx.scale, ctx.causal = scale, causal
         return out
@@ -194,11 +198,10 @@ class _CoPEAttention(torch.autograd.Function):
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         dk, dv = (torch.zeros(q.shape, dtype=torch.float32, device=q.device) for _ in range(2))
         dz = torch.zeros_like(z)  # [B, H, L, rows + 1]
-        bm, bn = _blocks()
-        grid = (triton.cdiv(length, bm), batch * heads)
+        launch = _launch(q)
+        grid = (triton.cdiv(length, launch["BM"]), batch * heads)
         _backward[grid](q, k, v, z, dout, lse, total, delta, dq, dk, dv, dz, length, rows, ctx.scale,
-                        CAUSAL=ctx.causal, IEEE=q.dtype == torch.float32, ZW=rows + 1, BM=bm, BN=bn,
-                        **_launch_shape(q))
+                        CAUSAL=ctx.causal, IEEE=q.dtype == torch.float32, ZW=rows + 1, **launch)
         dq += dz @ e  # through z = q . e^T
         de = dz.flatten(0, -2).T @ q.flatten(0, -2).to(e.dtype)  # [rows + 1, d]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), de, None, None

@@ -22,8 +22,19 @@ try:
 except ImportError:  # the kernel needs Triton (CUDA torch ships it); dape_attention refuses without it
     triton = None
 
-BLOCK_M, BLOCK_N = 16, 32  # queries and keys per tile (every head of them at once)
+TILE_ELEMENTS = 2048  # of the largest [heads, keys, features] tile a program holds: no register spills on sm_90
 INTERPRETED_BLOCKS = 16, 16  # where Triton's interpreter runs the kernel on the CPU
+
+
+def tiles(heads: int, head_dim: int) -> tuple[int, int, int, int]:
+    """Queries and keys per tile, and the forward's and backward's warps, for `heads` heads of `head_dim` features
+    (both padded to the kernels' powers of 2): the key tiles [heads, keys, features] within TILE_ELEMENTS, at
+    least 16 keys (the products' least), more warps where they are larger (scripts/kernel_resources.py)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return (*INTERPRETED_BLOCKS, 4, 4)
+    keys = max(16, min(32, TILE_ELEMENTS // (heads * head_dim)))
+    warps = 4 if heads * keys * head_dim <= TILE_ELEMENTS else 8
+    return 16, keys, warps, 8  # the backward, twice the forward's tiles: 8 warps (16 cap a thread at 128 registers)
 
 
 if triton is not None:
@@ -186,10 +197,6 @@ if triton is not None:
         tl.atomic_add(db2_ptr + offs_h, db2, mask=in_h)
 
 
-def _blocks() -> tuple[int, int]:
-    return INTERPRETED_BLOCKS if os.environ.get("TRITON_INTERPRET") == "1" else (BLOCK_M, BLOCK_N)
-
-
 class _DAPEAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, w1, b1, w2, b2, slope: float, scale: float):
@@ -200,11 +207,11 @@ class _DAPEAttention(torch.autograd.Function):
         flat_bias = None if bias is None else bias.float().contiguous()
         out = torch.empty_like(q)
         lse = q.new_empty(batch, heads, length, dtype=torch.float32)
-        bm, bn = _blocks()
         shape = _shape(q, bias, w1)
+        bm, bn, warps, _ = tiles(shape["HP"], shape["DP"])
         _forward[(triton.cdiv(length, bm), batch)](
             q, k, v, q if flat_bias is None else flat_bias, *weights, out, lse, length, shape.pop("stride"), slope,
-            scale, BM=bm, BN=bn, **shape)
+            scale, BM=bm, BN=bn, num_warps=warps, **shape)
         ctx.save_for_backward(q, k, v, flat_bias, *weights, out, lse)
         ctx.bias_shape, ctx.slope, ctx.scale = None if bias is None else bias.shape, slope, scale
         ctx.dtypes = [t.dtype for t in (q, k, v)] + [None if bias is None else bias.dtype]
@@ -220,13 +227,13 @@ class _DAPEAttention(torch.autograd.Function):
         dk, dv = (torch.zeros(q.shape, dtype=torch.float32, device=q.device) for _ in range(2))
         dbias = None if bias is None else torch.zeros_like(bias)
         dw1, db1, dw2, db2 = (torch.zeros_like(w) for w in (w1, b1, w2, b2))
-        bm, bn = _blocks()
         shape = _shape(q, bias, w1)
+        bm, bn, _, warps = tiles(shape["HP"], shape["DP"])
         stride = shape.pop("stride")
         _backward[(triton.cdiv(length, bm), batch)](
             q, k, v, q if bias is None else bias, w1, b1, w2, b2, dout, lse, delta, dq, dk, dv,
             dq if dbias is None else dbias, dw1, db1, dw2, db2, length, stride, ctx.slope, ctx.scale, BM=bm, BN=bn,
-            WP=triton.next_power_of_2(w1.shape[0]), num_warps=8, **shape)  # twice the forward's live tiles
+            WP=triton.next_power_of_2(w1.shape[0]), num_warps=warps, **shape)
         dq_, dk_, dv_ = (g.to(dtype) for g, dtype in zip((dq, dk, dv), ctx.dtypes))
         dbias = None if dbias is None else dbias.to(ctx.dtypes[3])
         return dq_, dk_, dv_, dbias, dw1, db1, dw2, db2, None, None
