@@ -213,14 +213,15 @@ class _DAPEAttention(torch.autograd.Function):
             q, k, v, q if flat_bias is None else flat_bias, *weights, out, lse, length, shape.pop("stride"), slope,
             scale, BM=bm, BN=bn, num_warps=warps, **shape)
         ctx.save_for_backward(q, k, v, flat_bias, *weights, out, lse)
-        ctx.bias_shape, ctx.slope, ctx.scale = None if bias is None else bias.shape, slope, scale
-        ctx.dtypes = [t.dtype for t in (q, k, v)] + [None if bias is None else bias.dtype]
+        ctx.slope, ctx.scale = slope, scale
+        bias_dtype = None if bias is None else bias.dtype
+        ctx.dtypes = [t.dtype for t in (q, k, v)], bias_dtype, [w.dtype for w in (w1, b1, w2, b2)]
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, bias, w1, b1, w2, b2, out, lse = ctx.saved_tensors
-        batch, heads, length, d = q.shape
+        batch, length = q.shape[0], q.shape[2]
         dout = dout.contiguous()
         delta = (dout.float() * out.float()).sum(-1)  # D = dO . O: [B, H, L]
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -234,9 +235,9 @@ class _DAPEAttention(torch.autograd.Function):
             q, k, v, q if bias is None else bias, w1, b1, w2, b2, dout, lse, delta, dq, dk, dv,
             dq if dbias is None else dbias, dw1, db1, dw2, db2, length, stride, ctx.slope, ctx.scale, BM=bm, BN=bn,
             WP=triton.next_power_of_2(w1.shape[0]), num_warps=warps, **shape)
-        dq_, dk_, dv_ = (g.to(dtype) for g, dtype in zip((dq, dk, dv), ctx.dtypes))
-        dbias = None if dbias is None else dbias.to(ctx.dtypes[3])
-        return dq_, dk_, dv_, dbias, dw1, db1, dw2, db2, None, None
+        inputs, bias_dtype, weights = ctx.dtypes
+        grads = [g.to(dtype) for g, dtype in zip((dq, dk, dv, dw1, db1, dw2, db2), inputs + weights)]
+        return *grads[:3], None if dbias is None else dbias.to(bias_dtype), *grads[3:], None, None
 
 
 def _shape(q: torch.Tensor, bias: torch.Tensor | None, w1: torch.Tensor) -> dict:
