@@ -66,13 +66,12 @@ if triton is not None:
     @triton.jit
     def _hidden(s, bias, w1_ptr, b1_ptr, unit, offs_h, in_h, H: tl.constexpr, C: tl.constexpr,
                 HAS_BIAS: tl.constexpr):
-        """One hidden unit's pre-activation W1[unit] . [S; B] + b1[unit]: [BM, BN]."""
-        w_s = tl.load(w1_ptr + unit * C + offs_h, mask=in_h, other=0.0)  # [HP]
-        pre = tl.sum(w_s[:, None, None] * s, axis=0) + tl.load(b1_ptr + unit)
+        """One hidden unit's pre-activation W1[unit] . [S; B] + b1[unit]: [BM, BN]. One sum over the heads (each
+        head's tile sits in its own warp: the sum crosses them)."""
+        weighed = tl.load(w1_ptr + unit * C + offs_h, mask=in_h, other=0.0)[:, None, None] * s  # [HP, BM, BN]
         if HAS_BIAS:
-            w_b = tl.load(w1_ptr + unit * C + H + offs_h, mask=in_h, other=0.0)
-            pre += tl.sum(w_b[:, None, None] * bias, axis=0)
-        return pre
+            weighed += tl.load(w1_ptr + unit * C + H + offs_h, mask=in_h, other=0.0)[:, None, None] * bias
+        return tl.sum(weighed, axis=0) + tl.load(b1_ptr + unit)
 
     @triton.jit
     def _logits(s, bias, w1_ptr, b1_ptr, w2_ptr, b2, slope, offs_h, in_h, seen, H: tl.constexpr, C: tl.constexpr,
