@@ -98,6 +98,15 @@ def test_cope_beside_a_part_that_adds_to_its_logits_is_refused(case, monkeypatch
         fla.FlaBackend().check(encoding)
 
 
+def test_cope_beside_a_part_that_sets_the_logits_scale_is_refused(monkeypatch):
+    """The kernel's gates read the scaled logits; eager's read q . k at CoPE's own scale: they differ there."""
+    encoding = make_case("composite:cope+rope", d_model=32, n_heads=2)
+    fla.FlaBackend().check(encoding)
+    monkeypatch.setattr(encoding, "logit_scale", lambda head_dim: 0.1)
+    with pytest.raises(ValueError, match="CoPE's kernel reads its gates from the logits.*use backend=eager"):
+        fla.FlaBackend().check(encoding)
+
+
 def test_the_kernel_needs_triton_not_fla_core(monkeypatch):
     encoding = make_case("cope", d_model=32, n_heads=2)
     monkeypatch.setattr(fla.importlib.util, "find_spec", lambda name: None if name == "fla" else object())

@@ -122,6 +122,11 @@ class FlaBackend(Backend):
                              f"needs; use backend={valid[0]} (backends that can: {valid})")
         if not encoding.dims.causal:
             raise ValueError("backend=fla runs causal attention only; a bidirectional model: use backend=sdpa")
+        head_dim = encoding.dims.head_dim
+        owner = kernel_owner(encoding)
+        if encoding.fla_kernel == "cope" and owner.logit_scale(head_dim) != encoding.logit_scale(head_dim):
+            raise ValueError(f"backend=fla: CoPE's kernel reads its gates from the logits, which encoding "
+                             f"{encoding.name} scales by its own factor; use backend=eager")
 
     def attend(self, q, k, v, call):
         refusal = fla_refusal(q.is_cuda, call.encoding)
