@@ -11,7 +11,7 @@ It keeps per query the log-sum-exp and the sum of all its gates G.
 Backward, per block of queries: the key blocks from the first, p = G - the gates before j. The gradient of
 the logits ds = P (dO . v - D) flows to s directly, to z (scattered into dz at f and f + 1) and through p to the
 gates: dg_t = sum_{j <= t} dp_j, a running prefix sum, dp = ds (z[f + 1] - z[f]), 0 where w = 0 (as the eager
-backward). dk and dv are added across the query blocks atomically; dz's rows belong to one program.
+backward). dk and dv are added across the query blocks atomically, and dz too: a row's pairs share positions.
 z and dz, [B, H, L, rows + 1] in float32, are formed outside (matrix products with e).
 """
 from __future__ import annotations
