@@ -124,7 +124,7 @@ def test_hierarchical_hand_computed_n2():
     table = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
     rows = hierarchical_rows(table, torch.arange(4), 0.4)
     expected = torch.tensor([[1, 0], [0, 2], [1 / 3, 4 / 3], [-2 / 3, 10 / 3]], dtype=torch.float64)
-    torch.testing.assert_close(rows, expected, rtol=0, atol=1e-12)
+    assert_close_scaled(rows, expected, rtol=0, atol_scale=1e-12)
 
 
 def test_hierarchical_hand_computed_n3():
@@ -136,8 +136,8 @@ def test_hierarchical_hand_computed_n3():
     """
     table = torch.tensor([[3.0, 0.0], [0.0, 3.0], [3.0, 3.0]], dtype=torch.float64)
     rows = hierarchical_rows(table, torch.tensor([3, 5, 7, 8]), 0.4)
-    torch.testing.assert_close(rows, torch.tensor([[1.0, 2], [1, 5], [0, 5], [3, 5]], dtype=torch.float64),
-                               rtol=0, atol=1e-12)
+    assert_close_scaled(rows, torch.tensor([[1.0, 2], [1, 5], [0, 5], [3, 5]], dtype=torch.float64), rtol=0,
+                        atol_scale=1e-12)
 
 
 def test_hierarchical_reproduces_the_learned_rows_exactly_and_follows_the_formula_beyond():
@@ -149,7 +149,7 @@ def test_hierarchical_reproduces_the_learned_rows_exactly_and_follows_the_formul
     assert torch.equal(out[:7], p)  # bit-exact on the trained rows
     u = (p - 0.3 * p[0]) / 0.7
     for k in range(49):
-        torch.testing.assert_close(out[k], 0.3 * u[k // 7] + 0.7 * u[k % 7], rtol=0, atol=1e-12)
+        assert_close_scaled(out[k], 0.3 * u[k // 7] + 0.7 * u[k % 7], rtol=0, atol_scale=1e-12, name=f"row {k}")
     assert len({tuple(row.tolist()) for row in out}) == 49  # alpha != 0.5: all n^2 positions distinct
 
 

@@ -50,7 +50,7 @@ def test_rotated_features_follow_the_formula_and_the_rest_pass_through(fraction,
             angle = pos[:, None, :].double() * 10000.0 ** (-2 * m / rotated)  # [B, 1, L]
             expected[..., a] = x[..., a] * angle.cos() - x[..., b] * angle.sin()
             expected[..., b] = x[..., a] * angle.sin() + x[..., b] * angle.cos()
-        torch.testing.assert_close(out[..., :rotated], expected, rtol=0, atol=1e-12)
+        assert_close_scaled(out[..., :rotated], expected, rtol=0, atol_scale=1e-12, name=layout)
 
 
 @pytest.mark.parametrize("scaling", sorted(SCALINGS))
