@@ -332,6 +332,20 @@ def run_interpreted(script: str, *args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "TRITON_INTERPRET": "1"})
 
 
+def assert_interpreted_errors_within(script: str, cases: list[str], tolerance: dict[str, float]) -> dict:
+    """Run `script` under Triton's interpreter for `cases` (comma-separated, the last field the inputs' dtype); it
+    prints {case: {name: error}} as JSON, each error relative to its largest entry. Every case answers and every
+    error is within tolerance[its dtype]; the errors by case are returned."""
+    done = run_interpreted(script, *cases)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().split("\n")[-1])
+    assert sorted(found) == sorted(cases)
+    for case, errors in found.items():
+        for name, error in errors.items():
+            assert error < tolerance[case.split(",")[-1]], f"case {case}: {name} off by {error:.1e} of its largest"
+    return found
+
+
 def assert_kernel_models_match(kernel_name: str, cases: list[str]) -> None:
     """Each case's model on backend=fla, its kernel `kernel_name` (an attribute of posbench.attention.fla) run by
     Triton's interpreter, gives the float64 eager model's logits and gradients."""

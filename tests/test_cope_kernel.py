@@ -3,13 +3,11 @@ CPU (TRITON_INTERPRET=1, in a subprocess: the flag is read when the kernels are 
 float64 and against the eager model. tests/test_cuda.py repeats the model comparison on a GPU."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from posbench.attention import fla
-from tests.helpers import NO_TRITON, assert_kernel_models_match, make_case, run_interpreted
+from tests.helpers import NO_TRITON, assert_interpreted_errors_within, assert_kernel_models_match, make_case
 
 
 def cope_by_formula(q, k, v, e, scale, causal):
@@ -82,13 +80,7 @@ TOLERANCE = {"float32": 2e-5, "float16": 5e-3}  # of each largest entry: float16
 
 @pytest.mark.skipif(NO_TRITON, reason="triton is not installed (CUDA builds of torch ship it)")
 def test_the_kernel_through_tritons_interpreter_gives_the_formula_and_its_gradients():
-    done = run_interpreted(FORMULA, *FORMULA_CASES)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().split("\n")[-1])
-    assert sorted(found) == sorted(FORMULA_CASES)
-    for case, errors in found.items():  # against float64 on the same inputs, each relative to its largest entry
-        for name, error in errors.items():
-            assert error < TOLERANCE[case.split(",")[-1]], f"case {case}: {name} off by {error:.1e} of its largest"
+    assert_interpreted_errors_within(FORMULA, FORMULA_CASES, TOLERANCE)  # against float64 on the same inputs
 
 
 @pytest.mark.skipif(NO_TRITON, reason="triton is not installed (CUDA builds of torch ship it)")

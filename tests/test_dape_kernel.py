@@ -3,14 +3,12 @@ CPU, against the formula in float64 and against the eager model with each base. 
 model comparison on a GPU."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from posbench.attention import fla
-from tests.helpers import NO_TRITON, assert_kernel_models_match, make_case, run_interpreted
+from tests.helpers import NO_TRITON, assert_interpreted_errors_within, assert_kernel_models_match, make_case
 
 
 def dape_by_formula(q, k, v, bias, w1, b1, w2, b2, slope, scale):
@@ -67,14 +65,9 @@ TOLERANCE = {"float32": 1e-5, "float16": 5e-3}  # of each largest entry: float16
 
 @pytest.mark.skipif(NO_TRITON, reason="triton is not installed (CUDA builds of torch ship it)")
 def test_the_kernel_through_tritons_interpreter_gives_the_formula_and_its_gradients():
-    done = run_interpreted(FORMULA, *FORMULA_CASES)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().split("\n")[-1])
-    assert sorted(found) == sorted(FORMULA_CASES)
-    for case, errors in found.items():  # against float64 on the same inputs, each relative to its largest entry
+    found = assert_interpreted_errors_within(FORMULA, FORMULA_CASES, TOLERANCE)  # against float64, same inputs
+    for case, errors in found.items():
         assert len(errors) == (8 if ",none," in case else 9)
-        for name, error in errors.items():
-            assert error < TOLERANCE[case.split(",")[-1]], f"case {case}: {name} off by {error:.1e} of its largest"
 
 
 @pytest.mark.skipif(NO_TRITON, reason="triton is not installed (CUDA builds of torch ship it)")
