@@ -20,11 +20,7 @@ import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the kernel needs Triton (CUDA torch ships it); cope_attention refuses without it
-    triton = None
+from posbench.attention.triton_products import dot, tl, triton
 
 INTERPRETED_BLOCKS = 16, 16  # smaller tiles where Triton's interpreter runs the kernel on the CPU
 
@@ -64,10 +60,7 @@ if triton is not None:
                         other=0.0)  # [BN, DP]
             v = tl.load(v_ptr + (base + offs_n[:, None]) * D + offs_d[None, :], mask=in_n[:, None] & in_d[None, :],
                         other=0.0)  # [BN, DP]
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BM, BN]
-            else:
-                s = tl.dot(q, tl.trans(k)) * scale
+            s = dot(q, tl.trans(k), IEEE) * scale  # [BM, BN]
             seen = in_m[:, None] & in_n[None, :]
             if CAUSAL:
                 seen = seen & (offs_n[None, :] <= offs_m[:, None])
@@ -85,10 +78,7 @@ if triton is not None:
             shrink = tl.exp(running_max - new_max)
             probs = tl.exp(logits - new_max[:, None])  # [BM, BN]
             norm = norm * shrink + tl.sum(probs, axis=1)
-            if IEEE:
-                acc = acc * shrink[:, None] + tl.dot(probs, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * shrink[:, None] + tl.dot(probs.to(v.dtype), v)
+            acc = acc * shrink[:, None] + dot(probs, v, IEEE)
             running_max = new_max
         norm = tl.where(in_m, norm, 1.0)
         out = acc / norm[:, None]
@@ -124,12 +114,8 @@ if triton is not None:
             rows_n = (base + offs_n[:, None]) * D + offs_d[None, :]
             k = tl.load(k_ptr + rows_n, mask=in_n[:, None] & in_d[None, :], other=0.0)  # [BN, DP]
             v = tl.load(v_ptr + rows_n, mask=in_n[:, None] & in_d[None, :], other=0.0)  # [BN, DP]
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BM, BN]
-                dpv = tl.dot(dout, tl.trans(v), input_precision="ieee")  # dO . v: [BM, BN]
-            else:
-                s = tl.dot(q, tl.trans(k)) * scale
-                dpv = tl.dot(dout, tl.trans(v))
+            s = dot(q, tl.trans(k), IEEE) * scale  # [BM, BN]
+            dpv = dot(dout, tl.trans(v), IEEE)  # dO . v: [BM, BN]
             seen = in_m[:, None] & in_n[None, :]
             if CAUSAL:
                 seen = seen & (offs_n[None, :] <= offs_m[:, None])
@@ -150,14 +136,9 @@ if triton is not None:
             dgates = dp_earlier[:, None] + tl.cumsum(dp, axis=1)  # sum_{j <= t} dp_j
             dp_earlier += tl.sum(dp, axis=1)
             dscore = (ds + dgates * gates * (1.0 - gates)) * scale  # d(q . k)
-            if IEEE:
-                dq += tl.dot(dscore, k.to(tl.float32), input_precision="ieee")
-                dk = tl.dot(tl.trans(dscore), q.to(tl.float32), input_precision="ieee")  # [BN, DP]
-                dv = tl.dot(tl.trans(probs), dout.to(tl.float32), input_precision="ieee")
-            else:
-                dq += tl.dot(dscore.to(k.dtype), k)
-                dk = tl.dot(tl.trans(dscore).to(q.dtype), q)
-                dv = tl.dot(tl.trans(probs).to(dout.dtype), dout)
+            dq += dot(dscore, k, IEEE)
+            dk = dot(tl.trans(dscore), q, IEEE)  # [BN, DP]
+            dv = dot(tl.trans(probs), dout, IEEE)
             tl.atomic_add(dk_ptr + rows_n, dk, mask=in_n[:, None] & in_d[None, :])
             tl.atomic_add(dv_ptr + rows_n, dv, mask=in_n[:, None] & in_d[None, :])
         tl.store(dq_ptr + rows_m, dq, mask=in_m[:, None] & in_d[None, :])

@@ -16,11 +16,7 @@ import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the kernel needs Triton (CUDA torch ships it); dape_attention refuses without it
-    triton = None
+from posbench.attention.triton_products import dot, tl, triton
 
 TILE_ELEMENTS = 2048  # of the largest [heads, keys, features] tile a program holds: no register spills on sm_90
 INTERPRETED_BLOCKS = 16, 16  # where Triton's interpreter runs the kernel on the CPU
@@ -39,14 +35,6 @@ def tiles(heads: int, head_dim: int) -> tuple[int, int, int, int]:
 
 if triton is not None:
     @triton.jit
-    def _dot(a, b, IEEE: tl.constexpr):
-        """a @ b (batched over a leading head axis), a in b's dtype; float32 products in float32 (IEEE)."""
-        if IEEE:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        else:
-            return tl.dot(a.to(b.dtype), b)
-
-    @triton.jit
     def _scores(q, k_ptr, bias_ptr, offs_h, in_h, heads_at, bias_at, offs_m, offs_n, in_m, length,
                 scale, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
         """S [HP, BM, BN], B (zeros without a bias) and where query i sees key j [BM, BN], for one key block."""
@@ -54,7 +42,7 @@ if triton is not None:
         in_n = offs_n < length
         k = tl.load(k_ptr + (heads_at[:, None, None] + offs_n[None, :, None]) * D + offs_d[None, None, :],
                     mask=in_h[:, None, None] & in_n[None, :, None] & (offs_d < D)[None, None, :], other=0.0)
-        s = _dot(q, tl.permute(k, (0, 2, 1)), IEEE) * scale  # [HP, BM, BN]
+        s = dot(q, tl.permute(k, (0, 2, 1)), IEEE) * scale  # [HP, BM, BN]
         seen = in_m[:, None] & in_n[None, :] & (offs_n[None, :] <= offs_m[:, None])  # [BM, BN]
         if HAS_BIAS:
             bias = tl.load(bias_ptr + bias_at[:, None, None] + offs_m[None, :, None] * length + offs_n[None, None, :],
@@ -114,7 +102,7 @@ if triton is not None:
             norm = norm * shrink + tl.sum(probs, axis=2)
             v = tl.load(v_ptr + (heads_at[:, None, None] + offs_n[None, :, None]) * D + offs_d[None, None, :],
                         mask=in_h[:, None, None] & (offs_n < length)[None, :, None] & in_d[None, None, :], other=0.0)
-            acc = acc * shrink[:, :, None] + _dot(probs, v, IEEE)
+            acc = acc * shrink[:, :, None] + dot(probs, v, IEEE)
             running_max = new_max
         norm = tl.where(norm > 0, norm, 1.0)
         tl.store(out_ptr + rows, (acc / norm[:, :, None]).to(out_ptr.dtype.element_ty), mask=inside)
@@ -158,7 +146,7 @@ if triton is not None:
             key_inside = in_h[:, None, None] & in_n[None, :, None] & in_d[None, None, :]
             k = tl.load(k_ptr + cols, mask=key_inside, other=0.0)  # [HP, BN, DP]
             v = tl.load(v_ptr + cols, mask=key_inside, other=0.0)
-            dlogits = probs * (_dot(dout, tl.permute(v, (0, 2, 1)), IEEE) - delta[:, :, None])  # dA
+            dlogits = probs * (dot(dout, tl.permute(v, (0, 2, 1)), IEEE) - delta[:, :, None])  # dA
             ds = dlogits  # dS and dB: dA, and what the network passes back
             dbias = dlogits
             db2 += tl.sum(tl.sum(dlogits, axis=2), axis=1)
@@ -179,9 +167,9 @@ if triton is not None:
                     dbias += w_b[:, None, None] * dpre[None, :, :]
                     dw1_b += tl.where(at_unit, tl.sum(tl.sum(bias * dpre[None, :, :], axis=2), axis=1)[None, :], 0.0)
             ds = ds * scale  # d(q . k)
-            dq += _dot(ds, k, IEEE)
-            tl.atomic_add(dk_ptr + cols, _dot(tl.permute(ds, (0, 2, 1)), q, IEEE), mask=key_inside)
-            tl.atomic_add(dv_ptr + cols, _dot(tl.permute(probs, (0, 2, 1)), dout, IEEE), mask=key_inside)
+            dq += dot(ds, k, IEEE)
+            tl.atomic_add(dk_ptr + cols, dot(tl.permute(ds, (0, 2, 1)), q, IEEE), mask=key_inside)
+            tl.atomic_add(dv_ptr + cols, dot(tl.permute(probs, (0, 2, 1)), dout, IEEE), mask=key_inside)
             if HAS_BIAS:
                 tl.atomic_add(dbias_ptr + bias_at[:, None, None] + offs_m[None, :, None] * length
                               + offs_n[None, None, :], dbias, mask=in_h[:, None, None] & seen[None, :, :])
