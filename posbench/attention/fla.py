@@ -25,8 +25,6 @@ import importlib.util
 import torch
 
 from posbench.attention.backend import Backend
-from posbench.attention.cope_kernel import cope_attention
-from posbench.attention.dape_kernel import dape_attention
 from posbench.attention.eager import EagerBackend
 from posbench.attention.sdpa import SdpaBackend
 from posbench.encodings.dape import BIASED
@@ -79,6 +77,21 @@ def path_attention(q, k, v, w, beta, g, scale: float) -> torch.Tensor:
     from fla.ops.path_attn import parallel_path_attn
 
     return parallel_path_attn(q, k, v, w, beta, g, scale=scale)[0]
+
+
+def cope_attention(q, k, v, e, scale: float, causal: bool) -> torch.Tensor:
+    """posbench's CoPE kernel (posbench.attention.cope_kernel), imported at its first call: Triton's import stays
+    out of every run's start-up."""
+    from posbench.attention.cope_kernel import cope_attention as kernel
+
+    return kernel(q, k, v, e, scale, causal)
+
+
+def dape_attention(q, k, v, bias, w1, b1, w2, b2, slope: float, scale: float) -> torch.Tensor:
+    """posbench's DAPE v1 kernel (posbench.attention.dape_kernel), imported at its first call."""
+    from posbench.attention.dape_kernel import dape_attention as kernel
+
+    return kernel(q, k, v, bias, w1, b1, w2, b2, slope, scale)
 
 
 KERNEL_HOOKS = {"stick_breaking": "normalize", "path": "logit_transform", "cope": "logit_transform",
