@@ -1,7 +1,7 @@
-"""posbench's own Triton kernels (CoPE's, DAPE's) compiled for a CUDA architecture without a GPU, with the block
-sizes and warps they launch with: what each thread holds (registers, spilled bytes) and each program's shared
-memory, from Triton's bundled ptxas. Spills mean local-memory traffic in the kernel's inner loop, so this is the
-check to run after changing a kernel's tiles.
+"""posbench's own Triton kernels (CoPE's, DAPE's, the relative bias's) compiled for a CUDA architecture without a
+GPU, with the block sizes and warps they launch with: what each thread holds (registers, spilled bytes) and each
+program's shared memory, from Triton's bundled ptxas. Spills mean local-memory traffic in the kernel's inner loop,
+so this is the check to run after changing a kernel's tiles.
 
     python scripts/kernel_resources.py               # sm_90 (H100, H200), float32 and bfloat16 inputs
     python scripts/kernel_resources.py --arch 80     # an A100
@@ -20,32 +20,40 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, set: it warns while unset
 
-INPUT_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "dout_ptr")  # in the inputs' dtype; every other one float32
-INTEGERS = ("length", "rows", "bias_batch_stride")
+INPUT_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "dout_ptr")  # in the inputs' dtype; others float32 but:
+INTEGER_POINTERS = ("qpos_ptr", "kpos_ptr")  # int32
+INTEGERS = ("length", "rows", "bias_batch_stride", "heads", "n_rows", "first", "pos_stride")
 
 
-def kernels(head_dim: int, heads: int, width: int, dtype: str) -> list[tuple[str, object, dict, int]]:
-    """(name, Triton function, its constexprs, warps) as posbench launches them in `dtype` (fp32 or bf16)."""
-    from posbench.attention import cope_kernel, dape_kernel
+def kernels(head_dim: int, heads: int, width: int, dtype: str) -> list[tuple[str, object, dict, int, tuple]]:
+    """(name, Triton function, its constexprs, warps, its pointers in the inputs' dtype) as posbench launches them in
+    `dtype` (fp32 or bf16)."""
+    from posbench.attention import cope_kernel, dape_kernel, relative_bias_kernel
 
     padded = max(16, 1 << (head_dim - 1).bit_length())
     ieee = dtype == "fp32"
     queries, keys, warps = cope_kernel.tiles(padded)
     cope = {"CAUSAL": True, "IEEE": ieee, "D": head_dim, "DP": padded, "ZW": 1026, "BM": queries, "BN": keys}
-    found = [("cope forward", cope_kernel._forward, cope, warps), ("cope backward", cope_kernel._backward, cope, warps)]
+    found = [("cope forward", cope_kernel._forward, cope, warps, INPUT_POINTERS),
+             ("cope backward", cope_kernel._backward, cope, warps, INPUT_POINTERS)]
     heads_padded = 1 << (heads - 1).bit_length()
     queries, keys, forward_warps, backward_warps = dape_kernel.tiles(heads_padded, padded)
     for bias in (True, False):
         dape = {"HAS_BIAS": bias, "IEEE": ieee, "D": head_dim, "DP": padded, "H": heads, "HP": heads_padded,
                 "C": 2 * heads if bias else heads, "WIDTH": width, "BM": queries, "BN": keys}
         suffix = " (a bias)" if bias else " (rope, nope)"
-        found += [("dape forward" + suffix, dape_kernel._forward, dape, forward_warps),
+        found += [("dape forward" + suffix, dape_kernel._forward, dape, forward_warps, INPUT_POINTERS),
                   ("dape backward" + suffix, dape_kernel._backward, {**dape, "WP": 1 << (width - 1).bit_length()},
-                   backward_warps)]
+                   backward_warps, INPUT_POINTERS)]
+    queries, keys, warps = relative_bias_kernel.tiles(padded)
+    relative = {"CAUSAL": True, "IEEE": ieee, "D": head_dim, "DP": padded, "BM": queries, "BN": keys}
+    found += [("relative bias forward", relative_bias_kernel._forward, relative, warps, INPUT_POINTERS),
+              ("relative bias backward", relative_bias_kernel._backward, {**relative, "ROWS_GRAD": True}, warps,
+               (*INPUT_POINTERS, "dk_ptr", "dv_ptr"))]
     return found
 
 
-def compile_kernel(function, constexprs: dict, dtype: str, warps: int, arch: int) -> dict:
+def compile_kernel(function, constexprs: dict, dtype: str, warps: int, arch: int, inputs: tuple) -> dict:
     """Compile for sm_<arch>: registers, spill stores and loads (bytes per thread) and shared memory (bytes)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -54,7 +62,8 @@ def compile_kernel(function, constexprs: dict, dtype: str, warps: int, arch: int
 
     names = list(inspect.signature(function.fn).parameters)
     signature = {name: "constexpr" if name in constexprs
-                 else f"*{dtype}" if name in INPUT_POINTERS
+                 else f"*{dtype}" if name in inputs
+                 else "*i32" if name in INTEGER_POINTERS
                  else "*fp32" if name.endswith("_ptr")
                  else "i32" if name in INTEGERS else "fp32" for name in names}
     source = ASTSource(fn=function, signature=signature,
@@ -84,8 +93,8 @@ def main() -> None:
     print("| kernel | inputs | warps | registers | spill stores (B) | spill loads (B) | shared memory (B) |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for dtype in ("fp32", "bf16"):
-        for name, function, constexprs, warps in kernels(args.head_dim, args.heads, args.width, dtype):
-            used = compile_kernel(function, constexprs, dtype, warps, args.arch)
+        for name, function, constexprs, warps, inputs in kernels(args.head_dim, args.heads, args.width, dtype):
+            used = compile_kernel(function, constexprs, dtype, warps, args.arch, inputs)
             print(f"| {name} | {dtype} | {warps} | {used['registers']} | {used['spill_stores']} | "
                   f"{used['spill_loads']} | {used['shared']:,} |", flush=True)
 

@@ -172,8 +172,8 @@ def test_fla_is_refused_where_it_cannot_run(monkeypatch):
     assert "pip install 'posbench[fla]'" in fla.fla_refusal(True)
     with pytest.raises(ValueError, match=r"cannot run the \['bias'\] hook.*backends that can: \['sdpa', 'flex', "
                                          r"'eager'\]"):
-        t5 = make_encoding("t5", d_model=32)
-        get_backend("fla", t5).check(t5)
+        fire = make_encoding("fire", d_model=32)  # a bias of i and j, not of i - j alone
+        get_backend("fla", fire).check(fire)
     dape_v2 = make_encoding("dape", d_model=32, version=2)  # a logit transform with no kernel (v1 has one)
     with pytest.raises(ValueError, match=r"backend=fla cannot run the \['logit_transform'\] hook"):
         get_backend("fla", dape_v2).check(dape_v2)

@@ -7,7 +7,16 @@ import torch
 
 from posbench.attention.context import AttentionCall
 from posbench.encodings.base import Encoding
-from posbench.hooks import backends_for
+from posbench.hooks import FLA, backends_for
+
+
+def backends_that_run(encoding: Encoding) -> list[str]:
+    """The backends that run every hook `encoding` needs, eager last: fla only where its kernels take them (a bias
+    of i - j alone, say)."""
+    from posbench.attention.fla import fla_missing_hooks  # fla's backend is built on this module
+
+    return [name for name in backends_for(set(encoding.hooks) - {"embed"})
+            if name != FLA or not fla_missing_hooks(encoding)]
 
 
 class Backend:
@@ -27,7 +36,7 @@ class Backend:
     def check(self, encoding: Encoding) -> None:
         missing = set(encoding.hooks) - {"embed"} - self.supported_hooks
         if missing:
-            valid = backends_for(set(encoding.hooks) - {"embed"})
+            valid = backends_that_run(encoding)
             raise ValueError(f"backend={self.name} cannot run the {sorted(missing)} hook(s) that encoding "
                              f"{encoding.name} needs; use backend={valid[0]} (backends that can: {valid})")
 

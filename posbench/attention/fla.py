@@ -12,11 +12,14 @@ whatever its length.
   too, PaTH-FoX as a composite); CoPE (posbench's kernel, its gates from the logits: CoPE beside nothing that
   adds to them) and DAPE v1 (posbench's kernel, the network over every head of a tile; the base's bias formed
   once per call, [B', H, L, L]).
+- A bias of i - j alone (kerple, t5, sandwich; beside a rotation too): posbench's kernel looks each pair's bias up
+  in the encoding's bias per offset, [H, 2L - 1] (posbench.attention.relative_bias_kernel); a learned bias gets
+  its gradient through those rows.
 
 It takes causal calls with no sliding window, whose queries are its keys: a call with a memory before its queries
-(segment recurrence) runs on sdpa (a decay) or eager. Hooks that need logits (a bias, a logit transform, ...) stay
-with sdpa, flex or eager. posbench's own backends are the reference it is tested against on a GPU
-(tests/test_cuda.py).
+(segment recurrence) runs on sdpa (a decay or a bias) or eager. Other hooks that need logits (a bias of more than
+i - j, a logit transform, ...) stay with sdpa, flex or eager. posbench's own backends are the reference it is
+tested against on a GPU (tests/test_cuda.py).
 """
 from __future__ import annotations
 
@@ -24,11 +27,12 @@ import importlib.util
 
 import torch
 
-from posbench.attention.backend import Backend
+from posbench.attention.backend import Backend, backends_that_run
 from posbench.attention.eager import EagerBackend
 from posbench.attention.sdpa import SdpaBackend
+from posbench.encodings.base import bias_by_offset
 from posbench.encodings.dape import BIASED
-from posbench.hooks import FLA, backend_hooks, backends_for
+from posbench.hooks import FLA, backend_hooks
 
 EXTRA = "pip install 'posbench[fla]'"
 
@@ -40,7 +44,7 @@ def fla_refusal(cuda: bool, encoding=None) -> str | None:
     """Why the fla backend cannot run `encoding` here (any of its kernels where None), or None where it can."""
     if not cuda:
         return "backend=fla runs on CUDA only (Triton kernels); use backend=sdpa or auto"
-    if encoding is not None and encoding.fla_kernel in OWN_KERNELS:
+    if encoding is not None and (encoding.fla_kernel in OWN_KERNELS or "bias" in encoding.hooks):
         if importlib.util.find_spec("triton") is None:
             return (f"backend=fla runs {encoding.name}'s kernel with Triton, which this torch lacks; "
                     "use backend=eager")
@@ -94,6 +98,14 @@ def dape_attention(q, k, v, bias, w1, b1, w2, b2, slope: float, scale: float) ->
     return kernel(q, k, v, bias, w1, b1, w2, b2, slope, scale)
 
 
+def relative_bias_attention(q, k, v, rows, q_pos, k_pos, first: int, scale: float) -> torch.Tensor:
+    """posbench's kernel for a bias of i - j alone (posbench.attention.relative_bias_kernel), causal, imported at its
+    first call."""
+    from posbench.attention.relative_bias_kernel import relative_bias_attention as kernel
+
+    return kernel(q, k, v, rows, q_pos, k_pos, first, scale, True)
+
+
 KERNEL_HOOKS = {"stick_breaking": "normalize", "path": "logit_transform", "cope": "logit_transform",
                 "dape": "logit_transform"}  # Encoding.fla_kernel -> the hook it runs
 PATH_HEAD_SIZES = (16, 32, 64, 128)  # fla-core's PaTH kernel
@@ -103,6 +115,10 @@ def fla_missing_hooks(encoding) -> set[str]:
     """The hooks of `encoding` (an instance or its class) that backend=fla cannot run: empty where it runs it."""
     hooks = set(encoding.hooks) - {"embed"} - backend_hooks(FLA)
     kernel = encoding.fla_kernel
+    relative = encoding.relative if isinstance(encoding, type) else encoding.bias_relative
+    if "bias" in encoding.hooks and (kernel or "decay" in encoding.hooks or not relative
+                                     or encoding.position_dims != 1):
+        hooks.add("bias")  # the bias kernel takes a bias of i - j alone, on 1-D positions, beside no other kernel
     if kernel == "path" or (kernel and "decay" not in encoding.hooks):  # of the kernels, PaTH's alone takes a decay
         others = [part for part in getattr(encoding, "parts", ()) if not part.fla_kernel]
         if not any(KERNEL_HOOKS[kernel] in part.hooks for part in others):  # a part's hook the kernel would skip
@@ -116,7 +132,8 @@ def kernel_owner(encoding):
 
 
 def fallback(encoding) -> Backend:
-    """The backend that takes a call fla's kernels cannot (keys before the queries): sdpa for a decay, else eager."""
+    """The backend that takes a call fla's kernels cannot (keys before the queries): sdpa for a decay or a bias, else
+    eager."""
     return SdpaBackend() if set(encoding.hooks) - {"embed"} <= SdpaBackend.supported_hooks else EagerBackend()
 
 
@@ -130,7 +147,7 @@ class FlaBackend(Backend):
     def check(self, encoding) -> None:
         missing = fla_missing_hooks(encoding)
         if missing:
-            valid = [name for name in backends_for(set(encoding.hooks) - {"embed"}) if name != self.name]
+            valid = [name for name in backends_that_run(encoding) if name != self.name]
             raise ValueError(f"backend=fla cannot run the {sorted(missing)} hook(s) that encoding {encoding.name} "
                              f"needs; use backend={valid[0]} (backends that can: {valid})")
         if not encoding.dims.causal:
@@ -152,6 +169,9 @@ class FlaBackend(Backend):
         owner = kernel_owner(encoding)
         if encoding.fla_kernel == "cope":
             return cope_attention(q, k, v, owner.scaled_table(call.layer, k.shape[-2]), scale, True)  # [B, H, L, d]
+        if "bias" in encoding.hooks:
+            rows, first = bias_by_offset(encoding, call.q_pos, call.k_pos, call.layer)  # [H, n]
+            return relative_bias_attention(q, k, v, rows, call.q_pos, call.k_pos, int(first), scale)  # [B, H, L, d]
         if encoding.fla_kernel == "dape":
             first, act, last = owner.net
             bias = owner.base_bias(call) if owner.base_name in BIASED else None  # [B', H, L, L]

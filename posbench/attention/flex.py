@@ -16,9 +16,9 @@ import functools
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from posbench.attention.backend import Backend
+from posbench.attention.backend import Backend, backends_that_run
 from posbench.encodings.base import Encoding
-from posbench.hooks import FLEX, backend_hooks, backends_for
+from posbench.hooks import FLEX, backend_hooks
 
 BLOCK = 128  # queries and keys per block of the block mask (FlexAttention's default)
 CPU_TRAINING = ("backend=flex trains on CUDA only; on CPU it evaluates (forward only); "
@@ -112,7 +112,7 @@ class FlexBackend(Backend):
                 raise
             missing = False  # a plan's score_mod that reads positions' values: the built model's check probes it
         if missing:
-            valid = [b for b in backends_for(set(encoding.hooks) - {"embed"}) if b != self.name]
+            valid = [b for b in backends_that_run(encoding) if b != self.name]
             raise ValueError(f"backend=flex cannot run encoding {encoding.name}: its bias has no FlexAttention "
                              f"score_mod (Encoding.score_mod); use backend={valid[0]} (backends that can: {valid})")
 

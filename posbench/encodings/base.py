@@ -283,12 +283,19 @@ def score_positions(q_pos: torch.Tensor, k_pos: torch.Tensor):
     return lambda b, q_idx, kv_idx: (q_row(b)[q_idx], k_row(b)[kv_idx])
 
 
-def offset_score_mod(encoding: Encoding, q_pos: torch.Tensor, k_pos: torch.Tensor, layer: int):
-    """A score_mod for a bias of i - j alone (a relative encoding): the encoding's own bias() of every
-    offset the positions span, built once as [H, n] rows, looked up per score."""
-    first, top = q_pos.min() - k_pos.max(), q_pos.max()  # tensors: an int would compile in as a constant
+def bias_by_offset(encoding: Encoding, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                   layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a bias of i - j alone (a relative encoding): the encoding's own bias() of every offset the positions
+    [B', Lq], [B', Lk] span, [H, n] from the first offset, and that offset (a tensor: an int would compile in as a
+    constant)."""
+    first, top = q_pos.min() - k_pos.max(), q_pos.max()
     offsets = torch.arange(int(first), int(top - k_pos.min()) + 1, device=q_pos.device)  # i - j: [n]
-    rows = encoding.bias(top.view(1, 1), (top - offsets)[None], layer)[0, :, 0]  # keys at top - offset: [H, n]
+    return encoding.bias(top.view(1, 1), (top - offsets)[None], layer)[0, :, 0], first  # keys at top - offset
+
+
+def offset_score_mod(encoding: Encoding, q_pos: torch.Tensor, k_pos: torch.Tensor, layer: int):
+    """A score_mod for a bias of i - j alone (a relative encoding): its bias_by_offset rows, looked up per score."""
+    rows, first = bias_by_offset(encoding, q_pos, k_pos, layer)  # [H, n]
     positions = score_positions(q_pos, k_pos)
 
     def lookup(score, b, h, q_idx, kv_idx):

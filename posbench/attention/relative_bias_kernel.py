@@ -1,0 +1,177 @@
+"""A relative bias's attention in one Triton kernel (forward) and one (backward), flash style: the bias of every pair
+is looked up in rows of the bias per offset i - j, never formed as [B', H, L, L]. The formula is the bias hook's, for
+an encoding whose bias depends on i - j alone (Encoding.bias_relative: kerple, t5, sandwich):
+
+    out_h = softmax_j(q_i . k_j * scale + rows_h[pos_i - pos_j - first]) v_h
+
+rows [H, n] holds the bias of the offsets first .. first + n - 1, which the positions span; a learned bias (kerple's
+r1 and r2, t5's table) gets its gradient through them. Forward, per block of queries: the key blocks up to the
+diagonal, online softmax as flash attention; it keeps each query's log-sum-exp. Backward, per block of keys: the
+query blocks from the diagonal, dk and dv summed in the program, dq added atomically, and each pair's dS added to its
+offset's row (one row set per sequence, summed after: the sequences do not contend).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from posbench.attention.triton_products import dot, tl, triton
+
+INTERPRETED_BLOCKS = 16, 16  # smaller tiles where Triton's interpreter runs the kernel on the CPU
+
+
+def tiles(head_dim: int) -> tuple[int, int, int]:
+    """Queries and keys per tile and warps for heads of `head_dim` features (padded to a power of 2): no register
+    spills on sm_90 in bfloat16 up to 64 features, nor in float32 up to 16 (scripts/kernel_resources.py)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return (*INTERPRETED_BLOCKS, 4)
+    return (64, 64, 8) if head_dim <= 16 else (32, 32, 4)
+
+
+if triton is not None:
+    @triton.jit
+    def _bias(rows_ptr, qpos_ptr, kpos_ptr, head, pos_at, n_rows, first, offs_m, offs_n, in_m, in_n,
+              CAUSAL: tl.constexpr):
+        """The bias of one tile, 0 where query i does not see key j, with where it does and each pair's row
+        index: [BM, BN] each."""
+        seen = in_m[:, None] & in_n[None, :]
+        if CAUSAL:
+            seen = seen & (offs_n[None, :] <= offs_m[:, None])
+        q_pos = tl.load(qpos_ptr + pos_at + offs_m, mask=in_m, other=0)  # [BM]
+        k_pos = tl.load(kpos_ptr + pos_at + offs_n, mask=in_n, other=0)  # [BN]
+        index = q_pos[:, None] - k_pos[None, :] - first  # [BM, BN]
+        bias = tl.load(rows_ptr + head * n_rows + index, mask=seen, other=0.0)  # [BM, BN]
+        return bias, seen, index
+
+    @triton.jit
+    def _forward(q_ptr, k_ptr, v_ptr, rows_ptr, qpos_ptr, kpos_ptr, out_ptr, lse_ptr, length, heads, n_rows, first,
+                 pos_stride, scale, CAUSAL: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr):
+        row_block, batch_head = tl.program_id(0), tl.program_id(1)
+        head, pos_at = batch_head % heads, (batch_head // heads) * pos_stride
+        offs_m = row_block * BM + tl.arange(0, BM)
+        offs_d = tl.arange(0, DP)
+        in_m, in_d = offs_m < length, offs_d < D
+        base = batch_head.to(tl.int64) * length
+        q = tl.load(q_ptr + (base + offs_m[:, None]) * D + offs_d[None, :], mask=in_m[:, None] & in_d[None, :],
+                    other=0.0)  # [BM, DP]
+        top = tl.minimum((row_block + 1) * BM, length) if CAUSAL else length
+        running_max = tl.full([BM], float("-inf"), tl.float32)
+        norm = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, DP], tl.float32)
+        for start in range(0, top, BN):
+            offs_n = start + tl.arange(0, BN)
+            in_n = offs_n < length
+            rows_n = (base + offs_n[:, None]) * D + offs_d[None, :]
+            k = tl.load(k_ptr + rows_n, mask=in_n[:, None] & in_d[None, :], other=0.0)  # [BN, DP]
+            v = tl.load(v_ptr + rows_n, mask=in_n[:, None] & in_d[None, :], other=0.0)  # [BN, DP]
+            bias, seen, _ = _bias(rows_ptr, qpos_ptr, kpos_ptr, head, pos_at, n_rows, first, offs_m, offs_n, in_m,
+                                  in_n, CAUSAL)
+            logits = tl.where(seen, dot(q, tl.trans(k), IEEE) * scale + bias, float("-inf"))  # [BM, BN]
+            new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+            new_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with nothing seen yet
+            shrink = tl.exp(running_max - new_max)
+            probs = tl.exp(logits - new_max[:, None])  # [BM, BN]
+            norm = norm * shrink + tl.sum(probs, axis=1)
+            acc = acc * shrink[:, None] + dot(probs, v, IEEE)
+            running_max = new_max
+        norm = tl.where(in_m, norm, 1.0)
+        tl.store(out_ptr + (base + offs_m[:, None]) * D + offs_d[None, :], (acc / norm[:, None]).to(
+            out_ptr.dtype.element_ty), mask=in_m[:, None] & in_d[None, :])
+        tl.store(lse_ptr + base + offs_m, running_max + tl.log(norm), mask=in_m)
+
+    @triton.jit
+    def _backward(q_ptr, k_ptr, v_ptr, rows_ptr, qpos_ptr, kpos_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr,
+                  dv_ptr, drows_ptr, length, heads, n_rows, first, pos_stride, scale, CAUSAL: tl.constexpr,
+                  IEEE: tl.constexpr, ROWS_GRAD: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr):
+        col_block, batch_head = tl.program_id(0), tl.program_id(1)
+        head, pos_at = batch_head % heads, (batch_head // heads) * pos_stride
+        offs_n = col_block * BN + tl.arange(0, BN)
+        offs_d = tl.arange(0, DP)
+        in_n, in_d = offs_n < length, offs_d < D
+        base = batch_head.to(tl.int64) * length
+        rows_n = (base + offs_n[:, None]) * D + offs_d[None, :]
+        k = tl.load(k_ptr + rows_n, mask=in_n[:, None] & in_d[None, :], other=0.0)  # [BN, DP]
+        v = tl.load(v_ptr + rows_n, mask=in_n[:, None] & in_d[None, :], other=0.0)  # [BN, DP]
+        drows_at = drows_ptr + batch_head.to(tl.int64) * n_rows  # this sequence's and head's rows
+        dk = tl.zeros([BN, DP], tl.float32)
+        dv = tl.zeros([BN, DP], tl.float32)
+        bottom = (col_block * BN // BM) * BM if CAUSAL else 0  # the first query block that sees these keys
+        for start in range(bottom, length, BM):
+            offs_m = start + tl.arange(0, BM)
+            in_m = offs_m < length
+            rows_m = (base + offs_m[:, None]) * D + offs_d[None, :]
+            q = tl.load(q_ptr + rows_m, mask=in_m[:, None] & in_d[None, :], other=0.0)  # [BM, DP]
+            dout = tl.load(dout_ptr + rows_m, mask=in_m[:, None] & in_d[None, :], other=0.0)  # [BM, DP]
+            lse = tl.load(lse_ptr + base + offs_m, mask=in_m, other=0.0)
+            delta = tl.load(delta_ptr + base + offs_m, mask=in_m, other=0.0)  # D = dO . O
+            bias, seen, index = _bias(rows_ptr, qpos_ptr, kpos_ptr, head, pos_at, n_rows, first, offs_m, offs_n,
+                                      in_m, in_n, CAUSAL)
+            logits = dot(q, tl.trans(k), IEEE) * scale + bias
+            probs = tl.where(seen, tl.exp(logits - lse[:, None]), 0.0)  # P: [BM, BN]
+            ds = probs * (dot(dout, tl.trans(v), IEEE) - delta[:, None])  # d logit: [BM, BN]
+            dv += dot(tl.trans(probs), dout, IEEE)
+            dk += dot(tl.trans(ds), q, IEEE)
+            tl.atomic_add(dq_ptr + rows_m, dot(ds, k, IEEE) * scale, mask=in_m[:, None] & in_d[None, :])
+            if ROWS_GRAD:
+                tl.atomic_add(drows_at + index, ds, mask=seen)
+        tl.store(dk_ptr + rows_n, (dk * scale).to(dk_ptr.dtype.element_ty), mask=in_n[:, None] & in_d[None, :])
+        tl.store(dv_ptr + rows_n, dv.to(dv_ptr.dtype.element_ty), mask=in_n[:, None] & in_d[None, :])
+
+
+def _launch(q: torch.Tensor) -> dict:
+    """The kernels' head size (padded to the products' 16 features), tiles and warps."""
+    padded = max(16, triton.next_power_of_2(q.shape[-1]))
+    queries, keys, warps = tiles(padded)
+    return {"D": q.shape[-1], "DP": padded, "BM": queries, "BN": keys, "num_warps": warps,
+            "IEEE": q.dtype == torch.float32}
+
+
+class _RelativeBiasAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, rows, q_pos, k_pos, first: int, scale: float, causal: bool):
+        # q, k, v: [B, H, L, d]; rows: [H, n] (float32); q_pos, k_pos: [B', L] int32, B' = 1 or B
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        batch, heads, length, _ = q.shape
+        flat_rows = rows.float().contiguous()
+        out = torch.empty_like(q)
+        lse = q.new_empty(batch, heads, length, dtype=torch.float32)
+        launch = _launch(q)
+        pos_stride = 0 if q_pos.shape[0] == 1 else length
+        _forward[(triton.cdiv(length, launch["BM"]), batch * heads)](
+            q, k, v, flat_rows, q_pos, k_pos, out, lse, length, heads, rows.shape[1], first, pos_stride, scale,
+            CAUSAL=causal, **launch)
+        ctx.save_for_backward(q, k, v, flat_rows, q_pos, k_pos, out, lse)
+        ctx.first, ctx.scale, ctx.causal, ctx.rows_dtype = first, scale, causal, rows.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, rows, q_pos, k_pos, out, lse = ctx.saved_tensors
+        batch, heads, length, _ = q.shape
+        dout = dout.contiguous()
+        delta = (dout.float() * out.float()).sum(-1)  # D = dO . O: [B, H, L]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        rows_grad = ctx.needs_input_grad[3]
+        drows = torch.zeros(batch, *rows.shape, device=q.device) if rows_grad else rows  # [B, H, n]
+        launch = _launch(q)
+        _backward[(triton.cdiv(length, launch["BN"]), batch * heads)](
+            q, k, v, rows, q_pos, k_pos, dout, lse, delta, dq, dk, dv, drows, length, heads, rows.shape[1],
+            ctx.first, 0 if q_pos.shape[0] == 1 else length, ctx.scale, CAUSAL=ctx.causal, ROWS_GRAD=rows_grad,
+            **launch)
+        drows = drows.sum(0).to(ctx.rows_dtype) if rows_grad else None  # [H, n]
+        return dq.to(q.dtype), dk, dv, drows, None, None, None, None, None
+
+
+def relative_bias_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                            q_pos: torch.Tensor, k_pos: torch.Tensor, first: int, scale: float,
+                            causal: bool) -> torch.Tensor:
+    """softmax(q . k * scale + rows[pos_i - pos_j - first]) v in Triton: q, k, v [B, H, L, d] (queries are the
+    keys), rows [H, n] covering every offset of the positions q_pos, k_pos [B', L] (B' = 1 or B) -> [B, H, L, d]."""
+    if triton is None:
+        raise ValueError("the relative bias kernel needs Triton (it comes with CUDA builds of torch)")
+    q_pos, k_pos = (p.to(torch.int32).contiguous() for p in (q_pos, k_pos))
+    return _RelativeBiasAttention.apply(q, k, v, rows, q_pos, k_pos, first, scale, causal)
