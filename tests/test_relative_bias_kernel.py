@@ -78,9 +78,10 @@ def test_the_kernel_through_tritons_interpreter_gives_the_formula_and_its_gradie
 @pytest.mark.skipif(NO_TRITON, reason="triton is not installed (CUDA builds of torch ship it)")
 def test_a_model_on_the_kernel_gives_the_float64_eager_model():
     """Logits within 1e-4 and each gradient within 0.5% of the float64 eager model's (tests/test_cuda.py's check):
-    a learned bias (kerple's scalars, t5's table), alone and beside a rotation. tests/test_cuda.py adds sandwich's
-    fixed bias."""
-    assert_kernel_models_match("relative_bias_attention", ["kerple", "t5", "composite:kerple+rope"])
+    a learned bias (kerple's scalars, t5's table), alone, beside a rotation, and in a schedule's first layer (its
+    second, rope's, has no bias). tests/test_cuda.py adds sandwich's fixed bias."""
+    assert_kernel_models_match("relative_bias_attention", ["kerple", "t5", "composite:kerple+rope",
+                                                           "schedule?pattern=[t5,rope]"])
 
 
 @pytest.mark.parametrize("case", ["kerple", "t5", "sandwich", "composite:kerple+rope", "composite:t5+kerple"])

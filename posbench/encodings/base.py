@@ -284,13 +284,14 @@ def score_positions(q_pos: torch.Tensor, k_pos: torch.Tensor):
 
 
 def bias_by_offset(encoding: Encoding, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                   layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   layer: int) -> tuple[torch.Tensor | None, torch.Tensor]:
     """For a bias of i - j alone (a relative encoding): the encoding's own bias() of every offset the positions
-    [B', Lq], [B', Lk] span, [H, n] from the first offset, and that offset (a tensor: an int would compile in as a
-    constant)."""
+    [B', Lq], [B', Lk] span, [H, n] from the first offset (None where the layer has no bias: a schedule's), and
+    that offset (a tensor: an int would compile in as a constant)."""
     first, top = q_pos.min() - k_pos.max(), q_pos.max()
     offsets = torch.arange(int(first), int(top - k_pos.min()) + 1, device=q_pos.device)  # i - j: [n]
-    return encoding.bias(top.view(1, 1), (top - offsets)[None], layer)[0, :, 0], first  # keys at top - offset
+    rows = encoding.bias(top.view(1, 1), (top - offsets)[None], layer)  # keys at top - offset: [1, H, 1, n]
+    return (None if rows is None else rows[0, :, 0]), first
 
 
 def offset_score_mod(encoding: Encoding, q_pos: torch.Tensor, k_pos: torch.Tensor, layer: int):
