@@ -170,10 +170,10 @@ class FlaBackend(Backend):
         if encoding.fla_kernel == "cope":
             return cope_attention(q, k, v, owner.scaled_table(call.layer, k.shape[-2]), scale, True)  # [B, H, L, d]
         if "bias" in encoding.hooks:
-            rows, first = bias_by_offset(encoding, call.q_pos, call.k_pos, call.layer)  # [H, n]
+            rows, _, first = bias_by_offset(encoding, call.q_pos, call.k_pos, call.layer)  # [H, n]
             if rows is None:  # a schedule's layer without a bias: plain attention
                 return SdpaBackend().attend(q, k, v, call)
-            return relative_bias_attention(q, k, v, rows, call.q_pos, call.k_pos, int(first), scale)  # [B, H, L, d]
+            return relative_bias_attention(q, k, v, rows, call.q_pos, call.k_pos, first, scale)  # [B, H, L, d]
         if encoding.fla_kernel == "dape":
             first, act, last = owner.net
             bias = owner.base_bias(call) if owner.base_name in BIASED else None  # [B', H, L, L]

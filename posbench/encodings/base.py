@@ -284,19 +284,20 @@ def score_positions(q_pos: torch.Tensor, k_pos: torch.Tensor):
 
 
 def bias_by_offset(encoding: Encoding, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                   layer: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+                   layer: int) -> tuple[torch.Tensor | None, torch.Tensor, int]:
     """For a bias of i - j alone (a relative encoding): the encoding's own bias() of every offset the positions
     [B', Lq], [B', Lk] span, [H, n] from the first offset (None where the layer has no bias: a schedule's), and
-    that offset (a tensor: an int would compile in as a constant)."""
+    that offset as a tensor (a score_mod's: an int would compile in as a constant) and as an int."""
     first, top = q_pos.min() - k_pos.max(), q_pos.max()
-    offsets = torch.arange(int(first), int(top - k_pos.min()) + 1, device=q_pos.device)  # i - j: [n]
+    low, high = torch.stack([first, top - k_pos.min()]).tolist()  # one read on the host
+    offsets = torch.arange(low, high + 1, device=q_pos.device)  # i - j: [n]
     rows = encoding.bias(top.view(1, 1), (top - offsets)[None], layer)  # keys at top - offset: [1, H, 1, n]
-    return (None if rows is None else rows[0, :, 0]), first
+    return (None if rows is None else rows[0, :, 0]), first, low
 
 
 def offset_score_mod(encoding: Encoding, q_pos: torch.Tensor, k_pos: torch.Tensor, layer: int):
     """A score_mod for a bias of i - j alone (a relative encoding): its bias_by_offset rows, looked up per score."""
-    rows, first = bias_by_offset(encoding, q_pos, k_pos, layer)  # [H, n]
+    rows, first, _ = bias_by_offset(encoding, q_pos, k_pos, layer)  # [H, n]
     positions = score_positions(q_pos, k_pos)
 
     def lookup(score, b, h, q_idx, kv_idx):
