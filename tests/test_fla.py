@@ -246,3 +246,26 @@ def test_fla_cores_kernels_through_tritons_interpreter_give_the_float64_eager_mo
                           timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert done.stdout.split("\n")[:-1] == [f"{case} {heads} matches" for case in KERNEL_CASES for heads in (1, 2)]
+
+
+def test_refusals_list_fla_exactly_where_it_runs_the_encoding():
+    """backends_that_run (every refusal's list) names fla for an encoding iff fla's check takes it: its kernels
+    run logit hooks the hook table gives eager alone, and its bias kernel a bias of i - j alone."""
+    from posbench.attention.backend import backends_that_run
+    from posbench.encodings import REGISTRY
+    from tests.helpers import COMPOSITE_PARTS
+
+    def runs(encoding) -> bool:
+        try:
+            fla.FlaBackend().check(encoding)
+        except ValueError:
+            return False
+        return True
+
+    single = {name: make_encoding(name, d_model=32) for name in REGISTRY if name != "composite"}
+    cases = [*single.values(), *(make_encoding("composite", d_model=32, parts=list(parts)) for parts in COMPOSITE_PARTS),
+             make_encoding("kerple", d_model=32, causal=False)]  # fla runs causal models only
+    for encoding in cases:
+        assert ("fla" in backends_that_run(encoding)) == runs(encoding), encoding.name
+    assert all(runs(single[name]) for name in ("cope", "dape", "stick_breaking", "path", "kerple", "t5", "fox"))
+    assert not any(runs(single[name]) for name in ("fire", "urpe", "shaw"))

@@ -7,16 +7,22 @@ import torch
 
 from posbench.attention.context import AttentionCall
 from posbench.encodings.base import Encoding
-from posbench.hooks import FLA, backends_for
+from posbench.hooks import BACKEND_NAMES, FLA, backends_for
 
 
 def backends_that_run(encoding: Encoding) -> list[str]:
-    """The backends that run every hook `encoding` needs, eager last: fla only where its kernels take them (a bias
-    of i - j alone, say)."""
+    """The backends that run every hook `encoding` needs, eager last; fla where its kernels take them, whatever
+    the hook table says (a kernel runs a logit hook whole; its bias kernel takes a bias of i - j alone)."""
     from posbench.attention.fla import fla_missing_hooks  # fla's backend is built on this module
 
-    return [name for name in backends_for(set(encoding.hooks) - {"embed"})
-            if name != FLA or not fla_missing_hooks(encoding)]
+    by_table = backends_for(set(encoding.hooks) - {"embed"})
+    fla_runs = encoding.dims.causal and not fla_missing_hooks(encoding)
+    return [name for name in BACKEND_NAMES if (name in by_table and name != FLA) or (name == FLA and fla_runs)]
+
+
+def suggested(valid: list[str]) -> str:
+    """The backend a refusal suggests among `valid`: the first that runs on any device (fla needs CUDA)."""
+    return next((name for name in valid if name != FLA), valid[0])
 
 
 class Backend:
@@ -38,7 +44,7 @@ class Backend:
         if missing:
             valid = backends_that_run(encoding)
             raise ValueError(f"backend={self.name} cannot run the {sorted(missing)} hook(s) that encoding "
-                             f"{encoding.name} needs; use backend={valid[0]} (backends that can: {valid})")
+                             f"{encoding.name} needs; use backend={suggested(valid)} (backends that can: {valid})")
 
     def bakes_mask(self, q: torch.Tensor) -> bool:
         """A causal block's -inf goes into its bias (True), or the backend masks the block itself."""

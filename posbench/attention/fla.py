@@ -27,7 +27,7 @@ import importlib.util
 
 import torch
 
-from posbench.attention.backend import Backend, backends_that_run
+from posbench.attention.backend import Backend, backends_that_run, suggested
 from posbench.attention.eager import EagerBackend
 from posbench.attention.sdpa import SdpaBackend
 from posbench.encodings.base import bias_by_offset
@@ -149,7 +149,7 @@ class FlaBackend(Backend):
         if missing:
             valid = [name for name in backends_that_run(encoding) if name != self.name]
             raise ValueError(f"backend=fla cannot run the {sorted(missing)} hook(s) that encoding {encoding.name} "
-                             f"needs; use backend={valid[0]} (backends that can: {valid})")
+                             f"needs; use backend={suggested(valid)} (backends that can: {valid})")
         if not encoding.dims.causal:
             raise ValueError("backend=fla runs causal attention only; a bidirectional model: use backend=sdpa")
         head_dim = encoding.dims.head_dim

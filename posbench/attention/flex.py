@@ -16,7 +16,7 @@ import functools
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from posbench.attention.backend import Backend, backends_that_run
+from posbench.attention.backend import Backend, backends_that_run, suggested
 from posbench.encodings.base import Encoding
 from posbench.hooks import FLEX, backend_hooks
 
@@ -114,7 +114,8 @@ class FlexBackend(Backend):
         if missing:
             valid = [b for b in backends_that_run(encoding) if b != self.name]
             raise ValueError(f"backend=flex cannot run encoding {encoding.name}: its bias has no FlexAttention "
-                             f"score_mod (Encoding.score_mod); use backend={valid[0]} (backends that can: {valid})")
+                             f"score_mod (Encoding.score_mod); use backend={suggested(valid)} (backends that can: "
+                             f"{valid})")
 
     def attend(self, q, k, v, call):
         """As Backend.attend; a bias built by the caller is not used: the score_mod computes it per score."""
