@@ -332,6 +332,14 @@ def run_interpreted(script: str, *args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "TRITON_INTERPRET": "1"})
 
 
+def interpreted_case(case: str) -> list[str]:
+    """A formula case's fields (inside a script run_interpreted runs). A case that starts with "launch:" takes the
+    tiles its kernel launches with on a GPU, not the interpreter's smaller ones: the kernels stay interpreted
+    (Triton read TRITON_INTERPRET when it defined them), while each kernel's tiles() reads the flag at its call."""
+    os.environ["TRITON_INTERPRET"] = "0" if case.startswith("launch:") else "1"
+    return case.removeprefix("launch:").split(",")
+
+
 def assert_interpreted_errors_within(script: str, cases: list[str], tolerance: dict[str, float]) -> dict:
     """Run `script` under Triton's interpreter for `cases` (comma-separated, the last field the inputs' dtype); it
     prints {case: {name: error}} as JSON, each error relative to its largest entry. Every case answers and every

@@ -49,10 +49,11 @@ FORMULA = """
 import json, sys
 import torch
 from posbench.attention.cope_kernel import cope_attention
+from tests.helpers import interpreted_case
 from tests.test_cope_kernel import cope_by_formula, farthest_from_the_kinks
 found = {}
 for case in sys.argv[1:]:
-    *sizes, precision = case.split(",")
+    *sizes, precision = interpreted_case(case)
     length, head_dim, rows, causal = (int(x) for x in sizes)
     precision = getattr(torch, precision)
     inputs = farthest_from_the_kinks(length, head_dim, rows, bool(causal), precision)
@@ -72,9 +73,9 @@ print(json.dumps(found))
 """
 # length, head dim, table rows, causal, q, k and v's dtype: partial blocks of queries and keys, the clamp binding
 # (rows < length) or not, heads padded to the products' 16 features, bidirectional; float16 runs the products as
-# on a GPU's tensor cores (the interpreter has no bfloat16 products)
+# on a GPU's tensor cores (the interpreter has no bfloat16 products); "launch:" the GPU's tiles (32 x 16), partial too
 FORMULA_CASES = ["37,16,20,1,float32", "37,16,40,1,float32", "40,8,12,1,float32", "33,32,34,0,float32",
-                 "16,16,17,1,float32", "37,16,20,1,float16"]
+                 "16,16,17,1,float32", "37,16,20,1,float16", "launch:70,16,40,1,float32"]
 TOLERANCE = {"float32": 2e-5, "float16": 5e-3}  # of each largest entry: float16 probabilities in the products
 
 

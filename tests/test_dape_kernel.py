@@ -25,10 +25,11 @@ FORMULA = """
 import json, sys
 import torch
 from posbench.attention.dape_kernel import dape_attention
+from tests.helpers import interpreted_case
 from tests.test_dape_kernel import dape_by_formula
 found = {}
 for case in sys.argv[1:]:
-    heads, length, head_dim, width, bias, precision = case.split(",")
+    heads, length, head_dim, width, bias, precision = interpreted_case(case)
     heads, length, head_dim, width = int(heads), int(length), int(head_dim), int(width)
     precision = getattr(torch, precision)
     gen = torch.Generator().manual_seed(0)
@@ -57,9 +58,10 @@ print(json.dumps(found))
 """
 # heads, length, head dim, network width, the bias (shared by the batch, per sequence, none), q, k and v's dtype:
 # partial blocks of queries and keys, heads not a power of 2 (padded), heads of 8 and 32 features (padded to 16 /
-# not); float16 runs the products as on a GPU's tensor cores (the interpreter has no bfloat16 products)
+# not); float16 runs the products as on a GPU's tensor cores (the interpreter has no bfloat16 products); "launch:"
+# the GPU's tiles (16 queries by 32 keys at 4 heads of 16 features), partial too
 FORMULA_CASES = ["4,16,16,8,shared,float32", "4,37,16,8,none,float32", "3,37,8,8,per,float32",
-                 "2,40,32,4,shared,float32", "4,37,16,8,shared,float16"]
+                 "2,40,32,4,shared,float32", "4,37,16,8,shared,float16", "launch:4,70,16,8,per,float32"]
 TOLERANCE = {"float32": 1e-5, "float16": 5e-3}  # of each largest entry: float16 probabilities in the products
 
 

@@ -41,10 +41,11 @@ FORMULA = """
 import json, sys
 import torch
 from posbench.attention.relative_bias_kernel import relative_bias_attention
+from tests.helpers import interpreted_case
 from tests.test_relative_bias_kernel import draw, relative_bias_by_formula
 found = {}
 for case in sys.argv[1:]:
-    *sizes, precision = case.split(",")
+    *sizes, precision = interpreted_case(case)
     length, head_dim, causal, per_sequence = (int(x) for x in sizes)
     precision = getattr(torch, precision)
     q, k, v, rows, positions, first = draw(length, head_dim, per_sequence, precision)
@@ -64,9 +65,10 @@ print(json.dumps(found))
 """
 # length, head dim, causal, positions per sequence (with gaps) or shared, q, k and v's dtype: partial blocks of
 # queries and keys, heads padded to the products' 16 features, bidirectional; float16 runs the products as on a
-# GPU's tensor cores (the interpreter has no bfloat16 products)
+# GPU's tensor cores (the interpreter has no bfloat16 products); "launch:" the GPU's tiles (64 x 64 at heads of 16,
+# 32 x 32 above), partial too
 FORMULA_CASES = ["37,16,1,0,float32", "40,8,1,1,float32", "33,32,0,1,float32", "16,16,1,0,float32",
-                 "37,16,1,1,float16"]
+                 "37,16,1,1,float16", "launch:100,16,1,0,float32", "launch:70,32,1,1,float32"]
 TOLERANCE = {"float32": 1e-5, "float16": 5e-3}  # of each largest entry: float16 probabilities in the products
 
 
