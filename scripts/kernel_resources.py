@@ -32,12 +32,12 @@ def kernels(head_dim: int, heads: int, width: int, dtype: str) -> list[tuple[str
 
     padded = max(16, 1 << (head_dim - 1).bit_length())
     ieee = dtype == "fp32"
-    queries, keys, warps = cope_kernel.tiles(padded)
+    queries, keys, warps = cope_kernel.launch_tiles(padded)
     cope = {"CAUSAL": True, "IEEE": ieee, "D": head_dim, "DP": padded, "ZW": 1026, "BM": queries, "BN": keys}
     found = [("cope forward", cope_kernel._forward, cope, warps, INPUT_POINTERS),
              ("cope backward", cope_kernel._backward, cope, warps, INPUT_POINTERS)]
     heads_padded = 1 << (heads - 1).bit_length()
-    queries, keys, forward_warps, backward_warps = dape_kernel.tiles(heads_padded, padded)
+    queries, keys, forward_warps, backward_warps = dape_kernel.launch_tiles(heads_padded, padded)
     for bias in (True, False):
         dape = {"HAS_BIAS": bias, "IEEE": ieee, "D": head_dim, "DP": padded, "H": heads, "HP": heads_padded,
                 "C": 2 * heads if bias else heads, "WIDTH": width, "BM": queries, "BN": keys}
@@ -45,7 +45,7 @@ def kernels(head_dim: int, heads: int, width: int, dtype: str) -> list[tuple[str
         found += [("dape forward" + suffix, dape_kernel._forward, dape, forward_warps, INPUT_POINTERS),
                   ("dape backward" + suffix, dape_kernel._backward, {**dape, "WP": 1 << (width - 1).bit_length()},
                    backward_warps, INPUT_POINTERS)]
-    queries, keys, warps = relative_bias_kernel.tiles(padded)
+    queries, keys, warps = relative_bias_kernel.launch_tiles(padded)
     relative = {"CAUSAL": True, "IEEE": ieee, "D": head_dim, "DP": padded, "BM": queries, "BN": keys}
     found += [("relative bias forward", relative_bias_kernel._forward, relative, warps, INPUT_POINTERS),
               ("relative bias backward", relative_bias_kernel._backward, {**relative, "ROWS_GRAD": True}, warps,

@@ -332,11 +332,14 @@ def run_interpreted(script: str, *args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "TRITON_INTERPRET": "1"})
 
 
-def interpreted_case(case: str) -> list[str]:
-    """A formula case's fields (inside a script run_interpreted runs). A case that starts with "launch:" takes the
-    tiles its kernel launches with on a GPU, not the interpreter's smaller ones: the kernels stay interpreted
-    (Triton read TRITON_INTERPRET when it defined them), while each kernel's tiles() reads the flag at its call."""
-    os.environ["TRITON_INTERPRET"] = "0" if case.startswith("launch:") else "1"
+def interpreted_case(case: str, kernel_module) -> list[str]:
+    """A formula case's fields (inside a script run_interpreted runs). A case that starts with "launch:" runs the
+    kernel with the tiles it launches with on a GPU (kernel_module.launch_tiles), not the interpreter's smaller ones
+    (kernel_module.tiles there)."""
+    if not hasattr(kernel_module, "interpreter_tiles"):
+        kernel_module.interpreter_tiles = kernel_module.tiles
+    launch = case.startswith("launch:")
+    kernel_module.tiles = kernel_module.launch_tiles if launch else kernel_module.interpreter_tiles
     return case.removeprefix("launch:").split(",")
 
 

@@ -48,12 +48,13 @@ def farthest_from_the_kinks(length, head_dim, rows, causal, precision=torch.floa
 FORMULA = """
 import json, sys
 import torch
+from posbench.attention import cope_kernel
 from posbench.attention.cope_kernel import cope_attention
 from tests.helpers import interpreted_case
 from tests.test_cope_kernel import cope_by_formula, farthest_from_the_kinks
 found = {}
 for case in sys.argv[1:]:
-    *sizes, precision = interpreted_case(case)
+    *sizes, precision = interpreted_case(case, cope_kernel)
     length, head_dim, rows, causal = (int(x) for x in sizes)
     precision = getattr(torch, precision)
     inputs = farthest_from_the_kinks(length, head_dim, rows, bool(causal), precision)

@@ -24,12 +24,13 @@ def dape_by_formula(q, k, v, bias, w1, b1, w2, b2, slope, scale):
 FORMULA = """
 import json, sys
 import torch
+from posbench.attention import dape_kernel
 from posbench.attention.dape_kernel import dape_attention
 from tests.helpers import interpreted_case
 from tests.test_dape_kernel import dape_by_formula
 found = {}
 for case in sys.argv[1:]:
-    heads, length, head_dim, width, bias, precision = interpreted_case(case)
+    heads, length, head_dim, width, bias, precision = interpreted_case(case, dape_kernel)
     heads, length, head_dim, width = int(heads), int(length), int(head_dim), int(width)
     precision = getattr(torch, precision)
     gen = torch.Generator().manual_seed(0)

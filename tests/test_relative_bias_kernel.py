@@ -40,12 +40,13 @@ def draw(length, head_dim, per_sequence, precision=torch.float32, seed=0):
 FORMULA = """
 import json, sys
 import torch
+from posbench.attention import relative_bias_kernel
 from posbench.attention.relative_bias_kernel import relative_bias_attention
 from tests.helpers import interpreted_case
 from tests.test_relative_bias_kernel import draw, relative_bias_by_formula
 found = {}
 for case in sys.argv[1:]:
-    *sizes, precision = interpreted_case(case)
+    *sizes, precision = interpreted_case(case, relative_bias_kernel)
     length, head_dim, causal, per_sequence = (int(x) for x in sizes)
     precision = getattr(torch, precision)
     q, k, v, rows, positions, first = draw(length, head_dim, per_sequence, precision)

@@ -26,10 +26,15 @@ INTERPRETED_BLOCKS = 16, 16  # smaller tiles where Triton's interpreter runs the
 
 
 def tiles(head_dim: int) -> tuple[int, int, int]:
-    """Queries and keys per tile and warps for heads of `head_dim` features (padded to a power of 2): no register
-    spills on sm_90 up to 32 features, few at 64 (scripts/kernel_resources.py)."""
+    """Queries and keys per tile and warps for heads of `head_dim` features (padded to a power of 2): the GPU's,
+    or smaller ones where Triton's interpreter runs the kernel."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return (*INTERPRETED_BLOCKS, 4)
+    return launch_tiles(head_dim)
+
+
+def launch_tiles(head_dim: int) -> tuple[int, int, int]:
+    """tiles() on a GPU: no register spills on sm_90 up to 32 features, few at 64 (scripts/kernel_resources.py)."""
     return (32 if head_dim <= 32 else 16), 16, 4
 
 

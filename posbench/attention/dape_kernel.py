@@ -24,10 +24,16 @@ INTERPRETED_BLOCKS = 16, 16  # where Triton's interpreter runs the kernel on the
 
 def tiles(heads: int, head_dim: int) -> tuple[int, int, int, int]:
     """Queries and keys per tile, and the forward's and backward's warps, for `heads` heads of `head_dim` features
-    (both padded to the kernels' powers of 2): the key tiles [heads, keys, features] within TILE_ELEMENTS, at
-    least 16 keys (the products' least), more warps where they are larger (scripts/kernel_resources.py)."""
+    (both padded to the kernels' powers of 2): the GPU's, or smaller ones where Triton's interpreter runs the
+    kernel."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return (*INTERPRETED_BLOCKS, 4, 4)
+    return launch_tiles(heads, head_dim)
+
+
+def launch_tiles(heads: int, head_dim: int) -> tuple[int, int, int, int]:
+    """tiles() on a GPU: the key tiles [heads, keys, features] within TILE_ELEMENTS, at least 16 keys (the
+    products' least), more warps where they are larger (scripts/kernel_resources.py)."""
     keys = max(16, min(32, TILE_ELEMENTS // (heads * head_dim)))
     warps = 4 if heads * keys * head_dim <= TILE_ELEMENTS else 8
     return 16, keys, warps, 8  # the backward, twice the forward's tiles: 8 warps (16 cap a thread at 128 registers)

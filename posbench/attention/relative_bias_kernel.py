@@ -22,10 +22,16 @@ INTERPRETED_BLOCKS = 16, 16  # smaller tiles where Triton's interpreter runs the
 
 
 def tiles(head_dim: int) -> tuple[int, int, int]:
-    """Queries and keys per tile and warps for heads of `head_dim` features (padded to a power of 2): no register
-    spills on sm_90 in bfloat16 up to 64 features, nor in float32 up to 16 (scripts/kernel_resources.py)."""
+    """Queries and keys per tile and warps for heads of `head_dim` features (padded to a power of 2): the GPU's,
+    or smaller ones where Triton's interpreter runs the kernel."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return (*INTERPRETED_BLOCKS, 4)
+    return launch_tiles(head_dim)
+
+
+def launch_tiles(head_dim: int) -> tuple[int, int, int]:
+    """tiles() on a GPU: no register spills on sm_90 in bfloat16 up to 64 features, nor in float32 up to 16
+    (scripts/kernel_resources.py)."""
     return (64, 64, 8) if head_dim <= 16 else (32, 32, 4)
 
 
