@@ -115,3 +115,13 @@ def test_the_kernel_needs_triton_not_fla_core(monkeypatch):
     assert fla.fla_refusal(True, encoding) is None
     monkeypatch.setattr(fla.importlib.util, "find_spec", lambda name: None)
     assert "Triton" in fla.fla_refusal(True, encoding)
+
+
+@pytest.mark.skipif(NO_TRITON, reason="triton is not installed (CUDA builds of torch ship it)")
+def test_positions_of_other_shapes_for_queries_and_keys_are_refused():
+    from posbench.attention.relative_bias_kernel import relative_bias_attention
+
+    q = torch.zeros(2, 1, 4, 16)
+    with pytest.raises(ValueError, match=r"positions alike, \[B', L\]; got \[2, 4\] and \[1, 4\]"):
+        relative_bias_attention(q, q, q, torch.zeros(1, 7), torch.arange(4).expand(2, 4), torch.arange(4)[None], -3,
+                                0.25, True)

@@ -179,5 +179,8 @@ def relative_bias_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r
     keys), rows [H, n] covering every offset of the positions q_pos, k_pos [B', L] (B' = 1 or B) -> [B, H, L, d]."""
     if triton is None:
         raise ValueError("the relative bias kernel needs Triton (it comes with CUDA builds of torch)")
+    if q_pos.shape != k_pos.shape:  # one stride reads both
+        raise ValueError(f"the relative bias kernel takes the queries' and keys' positions alike, [B', L]; got "
+                         f"{list(q_pos.shape)} and {list(k_pos.shape)}")
     q_pos, k_pos = (p.to(torch.int32).contiguous() for p in (q_pos, k_pos))
     return _RelativeBiasAttention.apply(q, k, v, rows, q_pos, k_pos, first, scale, causal)
