@@ -5,8 +5,9 @@
 #   there:  the device tool's run with carry [".whl"], timeout_s 590, command: bash scripts/gpu_session.sh run
 #           (GPU_PARTS, GPU_SESSION_S and the parts' GPU_*_S pick a shorter call's work)
 # Then copy $OUT's results_gpu_<device>_*.csv to results/gpu/<device>/ and commit them with the device's name;
-# rows of a later call join the committed ones (its own nope: a `call` column tells them apart), and the
-# folder's README says what each call ran.
+# rows of a later call join the committed ones (its own nope: a `call` column tells them apart), as do the kernels
+# part's (results_gpu_kernels_<device>_encodings.csv, with its nope), and the folder's README says what each call
+# ran.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(hydra-core==1.3.8 omegaconf==2.3.1 hydra-joblib-launcher==1.2.0 fla-core==0.6.0 einops==0.8.1)  # fla: backend=fla
@@ -29,20 +30,22 @@ run)
     # each step within what is left of ${GPU_SESSION_S:-570} s, most telling first; every file is copied to
     # $OUT as soon as it is written, so a call cut short keeps what it measured
     left() { echo $(( ${GPU_SESSION_S:-570} - SECONDS )); }
-    keep() { for file in /tmp/gpu/*/*.csv; do [ -e "$file" ] || continue
-        cp "$file" "$OUT/results_gpu_$(basename "$(dirname "$file")")_$(basename "$file")"; done; }
-    measure() { local budget=$1; shift
+    keep() { for file in /tmp/gpu*/*/*.csv; do [ -e "$file" ] || continue  # results_<part folder>_<device>_<file>
+        local device_dir; device_dir=$(dirname "$file")
+        cp "$file" "$OUT/results_$(basename "$(dirname "$device_dir")")_$(basename "$device_dir")_$(basename "$file")"
+        done; }
+    measure() { local budget=$1 folder=$2; shift 2
         (( $(left) > budget + 20 )) || budget=$(( $(left) - 20 ))
         (( budget > 10 )) || return 0
-        timeout $(( budget + 30 )) python3 scripts/gpu_measure.py --budget-s "$budget" --out /tmp/gpu "$@" \
+        timeout $(( budget + 30 )) python3 scripts/gpu_measure.py --budget-s "$budget" --out "$folder" "$@" \
             2>&1 | tee -a "$OUT/measure.log"; keep; }
-    # GPU_PARTS, in order (default: job startup tests encodings costs, about 520 s, the issue's unmeasured targets
-    # first; a second call: GPU_PARTS="sweep reference"; probe and profile on request)
-    for part in ${GPU_PARTS:-job startup tests encodings costs}; do
+    # GPU_PARTS, in order (default: job startup tests kernels encodings costs, about 560 s, the issue's unmeasured
+    # targets first; a second call: GPU_PARTS="sweep reference"; probe and profile on request)
+    for part in ${GPU_PARTS:-job startup tests kernels encodings costs}; do
         case "$part" in
         job)  # the README's default job (GPU_JOB_MODES: eager and graphs were measured on an H100 on 2026-11-27;
             # capture, which compiles nothing, not yet)
-            measure "${GPU_JOB_S:-100}" --parts default_job --job-modes "${GPU_JOB_MODES:-capture}" ;;
+            measure "${GPU_JOB_S:-100}" /tmp/gpu --parts default_job --job-modes "${GPU_JOB_MODES:-capture}" ;;
         probe)  # where a graph-captured default job's time goes: each step timed, compile and replay apart
             TORCH_LOGS="recompiles,perf_hints" timeout "${GPU_PROBE_S:-90}" python3 scripts/compile_probe.py \
                 --modes false,graphs --steps 400 --out "$OUT/compile_probe.csv" > "$OUT/compile_probe.log" 2>&1
@@ -54,12 +57,12 @@ run)
             done ;;
         startup)  # the default job's time outside training (46 s wall against 35 s of training on an H100): the same
             # command untrained, timed whole, with Python's import times
-            ( TIMEFORMAT="startup: %R s wall, %U s user"; time timeout "${GPU_STARTUP_S:-60}" python3 -X importtime \
+            ( TIMEFORMAT="startup: %R s wall, %U s user"; time timeout "${GPU_STARTUP_S:-50}" python3 -X importtime \
                 -m posbench encoding=rope task=copy train.steps=0 hydra.run.dir=/tmp/startup \
                 > "$OUT/startup.log" 2> "$OUT/startup_imports.log" ) 2>&1 | tee -a "$OUT/startup.log" ;;
         costs)  # where the bias and decay methods' attention time goes (the cause of each shortfall against nope):
             # one call's parts, each timed against nope's kernel, the eager methods' too (scripts/attention_costs.py)
-            timeout "${GPU_COSTS_S:-90}" python3 scripts/attention_costs.py --budget-s $(( ${GPU_COSTS_S:-90} - 30 )) \
+            timeout "${GPU_COSTS_S:-80}" python3 scripts/attention_costs.py --budget-s $(( ${GPU_COSTS_S:-80} - 30 )) \
                 --out "$OUT/attention_costs.csv" 2>&1 | tee "$OUT/attention_costs.log" | tail -n 5 ;;
         tests)  # the CUDA checks of capture and the compile modes (never reached in 2026-11-27's calls: first now), the
             # launcher's pinning, the data path and device memory; 8 workers (pyproject's addopts cap them at 4)
@@ -73,11 +76,15 @@ run)
                 tests/test_gpu_slots.py::test_two_concurrent_jobs_run_on_the_gpus_of_their_slots \
                 tests/test_cuda.py::test_a_seeds_gpu_run_trains_and_evaluates_on_the_cpu_runs_sequences \
                 tests/test_cuda.py::test_a_run_on_cuda_records_device_memory 2>&1 | tee "$OUT/tests.log" ;;
+        kernels)  # the eager frontier methods' kernels at their target's 1,024 tokens (0.5x nope), against auto's
+            # eager and nope in the same call: CoPE's and DAPE's (posbench's), stick-breaking's (fla-core's)
+            measure "${GPU_KERNELS_S:-70}" /tmp/gpu_kernels --parts encodings \
+                --encodings nope,cope,dape,stick_breaking --tokens 1024 --modes eager --backends fla ;;
         encodings)  # the issue's targets against nope (GPU_ENCODINGS; GPU_MEASURE_ARGS replaces the modes and backends).
             # Default: the rows not measured on an H100 on 2026-11-27 (kerple on sdpa, cope, dape, stick-breaking), and
             # alibi's and fox's sdpa rows again (their decay padded to heads of 24 since); fla for them, stick-breaking
             # and PaTH; eager
-            measure "${GPU_ENCODINGS_S:-180}" --parts encodings \
+            measure "${GPU_ENCODINGS_S:-130}" /tmp/gpu --parts encodings \
                 --encodings "${GPU_ENCODINGS:-nope,alibi,fox,kerple,cope,dape,stick_breaking,path}" \
                 ${GPU_MEASURE_ARGS:---modes eager --backends sdpa,fla} ;;
         reference)  # issue 38's encodings on CUDA's backends against the CPU's float64 model (never run on a GPU)
@@ -87,8 +94,9 @@ run)
                 -k "grape or pope or fope or scale_invariant or gated or selective or tape or cable or drope or string" \
                 2>&1 | tail -n 30 > "$OUT/reference.log" ;;
         sweep)  # the sweep launcher on the frontier study's copy runs
-            measure "${GPU_SWEEP_S:-150}" --parts sweep ;;
-        *) echo "GPU_PARTS: unknown part $part (job, startup, costs, probe, profile, tests, reference, encodings, sweep)" >&2 ;;
+            measure "${GPU_SWEEP_S:-150}" /tmp/gpu --parts sweep ;;
+        *) echo "GPU_PARTS: unknown part $part (job, startup, costs, probe, profile, tests, reference, kernels," \
+               "encodings, sweep)" >&2 ;;
         esac
     done
     ;;
