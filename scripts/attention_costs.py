@@ -131,7 +131,8 @@ def parts(encoding, tokens: int, batch: int, device, backends: list[str]) -> dic
 def backend_calls(encoding, q, k, v, grad_out, new_call, device, backends: list[str]) -> dict:
     """`<backend> call` -> the whole call forward and backward, for each of `backends` that runs the encoding here."""
     from posbench.attention import get_backend
-    from posbench.attention.fla import fla_missing_hooks, fla_refusal
+    from posbench.attention.fla import fla_refusal
+    from posbench.attention.fla_hooks import fla_missing_hooks
     from posbench.attention.flex import flex_refusal
 
     found = {}

@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a file: import posbench and tasks from this checkout
 
 from posbench.attention.crossover import MODES as TABLE_MODES, device_slug  # noqa: E402
-from posbench.attention.fla import fla_missing_hooks  # noqa: E402
+from posbench.attention.fla_hooks import fla_missing_hooks  # noqa: E402
 from posbench.hooks import BACKEND_NAMES as BACKENDS, FLA, backend_hooks  # noqa: E402
 
 RESULT_MARK = "GPU_MEASURE "  # a child's lines of output the parent reads

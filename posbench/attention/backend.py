@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from posbench.attention.context import AttentionCall
+from posbench.attention.fla_hooks import fla_missing_hooks
 from posbench.encodings.base import Encoding
 from posbench.hooks import BACKEND_NAMES, FLA, backends_for
 
@@ -13,8 +14,6 @@ from posbench.hooks import BACKEND_NAMES, FLA, backends_for
 def backends_that_run(encoding: Encoding) -> list[str]:
     """The backends that run every hook `encoding` needs, eager last; fla where its kernels take them, whatever
     the hook table says (a kernel runs a logit hook whole; its bias kernel takes a bias of i - j alone)."""
-    from posbench.attention.fla import fla_missing_hooks  # fla's backend is built on this module
-
     by_table = backends_for(set(encoding.hooks) - {"embed"})
     fla_runs = encoding.dims.causal and not fla_missing_hooks(encoding)
     return [name for name in BACKEND_NAMES if (name in by_table and name != FLA) or (name == FLA and fla_runs)]

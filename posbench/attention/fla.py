@@ -29,6 +29,7 @@ import torch
 
 from posbench.attention.backend import Backend, backends_that_run, suggested
 from posbench.attention.eager import EagerBackend
+from posbench.attention.fla_hooks import fla_missing_hooks
 from posbench.attention.sdpa import SdpaBackend
 from posbench.encodings.base import bias_by_offset
 from posbench.encodings.dape import BIASED
@@ -106,24 +107,7 @@ def relative_bias_attention(q, k, v, rows, q_pos, k_pos, first: int, scale: floa
     return kernel(q, k, v, rows, q_pos, k_pos, first, scale, True)
 
 
-KERNEL_HOOKS = {"stick_breaking": "normalize", "path": "logit_transform", "cope": "logit_transform",
-                "dape": "logit_transform"}  # Encoding.fla_kernel -> the hook it runs
 PATH_HEAD_SIZES = (16, 32, 64, 128)  # fla-core's PaTH kernel
-
-
-def fla_missing_hooks(encoding) -> set[str]:
-    """The hooks of `encoding` (an instance or its class) that backend=fla cannot run: empty where it runs it."""
-    hooks = set(encoding.hooks) - {"embed"} - backend_hooks(FLA)
-    kernel = encoding.fla_kernel
-    relative = encoding.relative if isinstance(encoding, type) else encoding.bias_relative
-    if "bias" in encoding.hooks and (kernel or "decay" in encoding.hooks or not relative
-                                     or encoding.position_dims != 1):
-        hooks.add("bias")  # the bias kernel takes a bias of i - j alone, on 1-D positions, beside no other kernel
-    if kernel == "path" or (kernel and "decay" not in encoding.hooks):  # of the kernels, PaTH's alone takes a decay
-        others = [part for part in getattr(encoding, "parts", ()) if not part.fla_kernel]
-        if not any(KERNEL_HOOKS[kernel] in part.hooks for part in others):  # a part's hook the kernel would skip
-            hooks.discard(KERNEL_HOOKS[kernel])
-    return hooks
 
 
 def kernel_owner(encoding):

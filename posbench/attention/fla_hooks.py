@@ -1,0 +1,23 @@
+"""Which hooks of an encoding backend=fla's kernels run (posbench.attention.fla): the rule fla's check and every
+backend's refusal read, apart from the backends themselves."""
+from __future__ import annotations
+
+from posbench.hooks import FLA, backend_hooks
+
+KERNEL_HOOKS = {"stick_breaking": "normalize", "path": "logit_transform", "cope": "logit_transform",
+                "dape": "logit_transform"}  # Encoding.fla_kernel -> the hook it runs
+
+
+def fla_missing_hooks(encoding) -> set[str]:
+    """The hooks of `encoding` (an instance or its class) that backend=fla cannot run: empty where it runs it."""
+    hooks = set(encoding.hooks) - {"embed"} - backend_hooks(FLA)
+    kernel = encoding.fla_kernel
+    relative = encoding.relative if isinstance(encoding, type) else encoding.bias_relative
+    if "bias" in encoding.hooks and (kernel or "decay" in encoding.hooks or not relative
+                                     or encoding.position_dims != 1):
+        hooks.add("bias")  # the bias kernel takes a bias of i - j alone, on 1-D positions, beside no other kernel
+    if kernel == "path" or (kernel and "decay" not in encoding.hooks):  # of the kernels, PaTH's alone takes a decay
+        others = [part for part in getattr(encoding, "parts", ()) if not part.fla_kernel]
+        if not any(KERNEL_HOOKS[kernel] in part.hooks for part in others):  # a part's hook the kernel would skip
+            hooks.discard(KERNEL_HOOKS[kernel])
+    return hooks
