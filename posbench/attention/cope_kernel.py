@@ -16,19 +16,15 @@ z and dz, [B, H, L, rows + 1] in float32, are formed outside (matrix products wi
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from posbench.attention.triton_products import dot, tl, triton
-
-INTERPRETED_BLOCKS = 16, 16  # smaller tiles where Triton's interpreter runs the kernel on the CPU
+from posbench.attention.triton_products import INTERPRETED_BLOCKS, dot, head_launch, interpreted, tl, triton
 
 
 def tiles(head_dim: int) -> tuple[int, int, int]:
     """Queries and keys per tile and warps for heads of `head_dim` features (padded to a power of 2): the GPU's,
     or smaller ones where Triton's interpreter runs the kernel."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         return (*INTERPRETED_BLOCKS, 4)
     return launch_tiles(head_dim)
 
@@ -149,13 +145,6 @@ if triton is not None:
         tl.store(dq_ptr + rows_m, dq, mask=in_m[:, None] & in_d[None, :])
 
 
-def _launch(q: torch.Tensor) -> dict:
-    """The kernels' head size (padded to the products' 16 features), tiles and warps."""
-    padded = max(16, triton.next_power_of_2(q.shape[-1]))
-    queries, keys, warps = tiles(padded)
-    return {"D": q.shape[-1], "DP": padded, "BM": queries, "BN": keys, "num_warps": warps}
-
-
 class _CoPEAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, e, scale: float, causal: bool):
@@ -166,7 +155,7 @@ class _CoPEAttention(torch.autograd.Function):
         z = (q.to(e.dtype) @ e.T).contiguous()  # [B, H, L, rows + 1]
         out = torch.empty_like(q)
         lse, total = (q.new_empty(batch, heads, length, dtype=torch.float32) for _ in range(2))
-        launch = _launch(q)
+        launch = head_launch(q, tiles)
         grid = (triton.cdiv(length, launch["BM"]), batch * heads)
         _forward[grid](q, k, v, z, out, lse, total, length, rows, scale, CAUSAL=causal, IEEE=q.dtype == torch.float32,
                        ZW=rows + 1, **launch)
@@ -184,7 +173,7 @@ class _CoPEAttention(torch.autograd.Function):
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         dk, dv = (torch.zeros(q.shape, dtype=torch.float32, device=q.device) for _ in range(2))
         dz = torch.zeros_like(z)  # [B, H, L, rows + 1]
-        launch = _launch(q)
+        launch = head_launch(q, tiles)
         grid = (triton.cdiv(length, launch["BM"]), batch * heads)
         _backward[grid](q, k, v, z, dout, lse, total, delta, dq, dk, dv, dz, length, rows, ctx.scale,
                         CAUSAL=ctx.causal, IEEE=q.dtype == torch.float32, ZW=rows + 1, **launch)

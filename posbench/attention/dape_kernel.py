@@ -12,21 +12,18 @@ its end, as are dk, dv and the bias's gradient (a bias shared by the batch gets 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from posbench.attention.triton_products import dot, tl, triton
+from posbench.attention.triton_products import INTERPRETED_BLOCKS, dot, interpreted, tl, triton
 
 TILE_ELEMENTS = 2048  # of the largest [heads, keys, features] tile a program holds: no register spills on sm_90
-INTERPRETED_BLOCKS = 16, 16  # where Triton's interpreter runs the kernel on the CPU
 
 
 def tiles(heads: int, head_dim: int) -> tuple[int, int, int, int]:
     """Queries and keys per tile, and the forward's and backward's warps, for `heads` heads of `head_dim` features
     (both padded to the kernels' powers of 2): the GPU's, or smaller ones where Triton's interpreter runs the
     kernel."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         return (*INTERPRETED_BLOCKS, 4, 4)
     return launch_tiles(heads, head_dim)
 

@@ -12,19 +12,15 @@ offset's row (one row set per sequence, summed after: the sequences do not conte
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from posbench.attention.triton_products import dot, tl, triton
-
-INTERPRETED_BLOCKS = 16, 16  # smaller tiles where Triton's interpreter runs the kernel on the CPU
+from posbench.attention.triton_products import INTERPRETED_BLOCKS, dot, head_launch, interpreted, tl, triton
 
 
 def tiles(head_dim: int) -> tuple[int, int, int]:
     """Queries and keys per tile and warps for heads of `head_dim` features (padded to a power of 2): the GPU's,
     or smaller ones where Triton's interpreter runs the kernel."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         return (*INTERPRETED_BLOCKS, 4)
     return launch_tiles(head_dim)
 
@@ -127,14 +123,6 @@ if triton is not None:
         tl.store(dv_ptr + rows_n, dv.to(dv_ptr.dtype.element_ty), mask=in_n[:, None] & in_d[None, :])
 
 
-def _launch(q: torch.Tensor) -> dict:
-    """The kernels' head size (padded to the products' 16 features), tiles and warps."""
-    padded = max(16, triton.next_power_of_2(q.shape[-1]))
-    queries, keys, warps = tiles(padded)
-    return {"D": q.shape[-1], "DP": padded, "BM": queries, "BN": keys, "num_warps": warps,
-            "IEEE": q.dtype == torch.float32}
-
-
 class _RelativeBiasAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rows, q_pos, k_pos, first: int, scale: float, causal: bool):
@@ -144,7 +132,7 @@ class _RelativeBiasAttention(torch.autograd.Function):
         flat_rows = rows.float().contiguous()
         out = torch.empty_like(q)
         lse = q.new_empty(batch, heads, length, dtype=torch.float32)
-        launch = _launch(q)
+        launch = {**head_launch(q, tiles), "IEEE": q.dtype == torch.float32}
         pos_stride = 0 if q_pos.shape[0] == 1 else length
         _forward[(triton.cdiv(length, launch["BM"]), batch * heads)](
             q, k, v, flat_rows, q_pos, k_pos, out, lse, length, heads, rows.shape[1], first, pos_stride, scale,
@@ -163,7 +151,7 @@ class _RelativeBiasAttention(torch.autograd.Function):
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         rows_grad = ctx.needs_input_grad[3]
         drows = torch.zeros(batch, *rows.shape, device=q.device) if rows_grad else rows  # [B, H, n]
-        launch = _launch(q)
+        launch = {**head_launch(q, tiles), "IEEE": q.dtype == torch.float32}
         _backward[(triton.cdiv(length, launch["BN"]), batch * heads)](
             q, k, v, rows, q_pos, k_pos, dout, lse, delta, dq, dk, dv, drows, length, heads, rows.shape[1],
             ctx.first, 0 if q_pos.shape[0] == 1 else length, ctx.scale, CAUSAL=ctx.causal, ROWS_GRAD=rows_grad,
