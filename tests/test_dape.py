@@ -196,7 +196,7 @@ def test_causal_alibi_base_is_a_bias_in_the_network_never_a_decay(version):
     mask = torch.ones(LENGTH, LENGTH, dtype=torch.bool).tril()
     expected = transformed.masked_fill(~mask, float("-inf")).softmax(-1) @ v
     got = EagerBackend().attend(q, k, v, AttentionCall(enc, pos, pos, 1, True))
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    assert_close_scaled(got, expected, rtol=0.0, atol_scale=1e-12, name="attention output")
 
 
 def test_with_a_silent_network_alibi_base_is_alibi():
@@ -211,8 +211,8 @@ def test_with_a_silent_network_alibi_base_is_alibi():
     alibi = Transformer(cfg, make_encoding("alibi", d_model=32, n_heads=4), get_backend("sdpa")).double().eval()
     alibi.load_state_dict({k: v for k, v in net.state_dict().items() if not k.startswith("encoding")})
     tokens = ids()
-    torch.testing.assert_close(net(tokens, torch.arange(20)[None]), alibi(tokens, torch.arange(20)[None]),
-                               rtol=0, atol=1e-10)
+    assert_close_scaled(net(tokens, torch.arange(20)[None]), alibi(tokens, torch.arange(20)[None]), rtol=0.0,
+                        atol_scale=1e-10, name="logits")
 
 
 def test_rope_base_owns_the_rotation():
@@ -270,7 +270,8 @@ def test_future_tokens_never_change_the_past(version, base):
     for t in (0, 9, 18):
         changed = tokens.clone()
         changed[:, t + 1:] = (changed[:, t + 1:] + 1) % 11
-        torch.testing.assert_close(net(changed, pos)[:, :t + 1], out[:, :t + 1], rtol=0, atol=1e-12)
+        assert_close_scaled(net(changed, pos)[:, :t + 1], out[:, :t + 1], rtol=0.0, atol_scale=1e-12,
+                            name=f"logits up to {t}")
 
 
 @pytest.mark.parametrize("version,base", VARIANTS)

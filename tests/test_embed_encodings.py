@@ -189,8 +189,8 @@ def test_complex_order_hand_computed():
         enc.amplitude[2], enc.frequency[2], enc.phase[2] = 2.0, math.pi / 2, math.pi / 6
     x = torch.full((1, 2, 2), 100.0, dtype=torch.float64)  # replaced, not added to
     out = enc.embed(x, torch.tensor([[0, 1]]), torch.tensor([[2, 2]]))
-    torch.testing.assert_close(out[0], torch.tensor([[math.sqrt(3), 1], [-1, math.sqrt(3)]], dtype=torch.float64),
-                               rtol=0, atol=1e-12)
+    assert_close_scaled(out[0], torch.tensor([[math.sqrt(3), 1], [-1, math.sqrt(3)]], dtype=torch.float64), rtol=0.0,
+                        atol_scale=1e-12, name="embedding")
 
 
 def test_complex_order_real_then_imaginary_halves_float64():
@@ -201,7 +201,8 @@ def test_complex_order_real_then_imaginary_halves_float64():
     ids, pos = torch.tensor([[4, 0, 4], [1, 1, 3]]), torch.tensor([[0, 5, 9]])
     out = enc.embed(torch.zeros(2, 3, 6, dtype=torch.float64), pos, ids)
     z = enc.amplitude[ids] * torch.exp(1j * (enc.phase[ids] + enc.frequency[ids] * pos[..., None]))  # complex128
-    torch.testing.assert_close(out, torch.cat((z.real, z.imag), dim=-1).detach(), rtol=0, atol=1e-12)
+    assert_close_scaled(out, torch.cat((z.real, z.imag), dim=-1).detach(), rtol=0.0, atol_scale=1e-12,
+                        name="real and imaginary halves")
 
 
 def test_complex_order_needs_an_even_model_size():
