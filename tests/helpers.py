@@ -1,15 +1,18 @@
 """Helpers shared by the test modules (fixtures live in conftest.py): configs composed as Hydra
 composes them, `python -m posbench` in a subprocess and the rows it writes, encodings and small
 models built as the runner builds them."""
+import importlib.metadata
 import importlib.util
 import json
 import math
 import os
+import re
 import struct
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from hydra import compose, initialize_config_dir
@@ -303,6 +306,27 @@ def wandb_records(path: Path):
 
 
 NO_TRITON = importlib.util.find_spec("triton") is None  # posbench's kernels (and fla-core's) need it: Linux wheels
+
+
+def interpreter_refusal() -> str | None:
+    """Why Triton's interpreter cannot run the kernels here, or None. Before Triton 3.7 it reads a loop bound held
+    in a tensor with int() of a one-element array, an error since numpy 2.4; torch 2.11's CUDA wheels pin Triton
+    3.6."""
+    if NO_TRITON:
+        return "triton is not installed (CUDA builds of torch ship it)"
+    triton, numpy = importlib.metadata.version("triton"), importlib.metadata.version("numpy")
+    if version_tuple(triton) < (3, 7) and version_tuple(numpy) >= (2, 4):
+        return (f"Triton {triton}'s interpreter fails under numpy {numpy} (int() of a one-element array); "
+                "pip install 'numpy<2.4', or Triton 3.7 or later")
+    return None
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """The leading numbers of a version: '3.6.0+git1' -> (3, 6, 0)."""
+    return tuple(int(part) for part in re.findall(r"^\d+(?:\.\d+)*", version)[0].split("."))
+
+
+needs_interpreter = pytest.mark.skipif(interpreter_refusal() is not None, reason=interpreter_refusal() or "")
 
 # A model on backend=fla against the float64 eager model (tests/test_cuda.py's check), on the CPU: argv names the
 # cases, each checked with heads of 32 and 8 features; it prints "<case> <heads> matches" where the named kernel ran

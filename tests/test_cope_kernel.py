@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from posbench.attention import fla
-from tests.helpers import NO_TRITON, assert_interpreted_errors_within, assert_kernel_models_match, make_case
+from tests.helpers import assert_interpreted_errors_within, assert_kernel_models_match, make_case, needs_interpreter
 
 
 def cope_by_formula(q, k, v, e, scale, causal):
@@ -80,12 +80,12 @@ FORMULA_CASES = ["37,16,20,1,float32", "37,16,40,1,float32", "40,8,12,1,float32"
 TOLERANCE = {"float32": 2e-5, "float16": 5e-3}  # of each largest entry: float16 probabilities in the products
 
 
-@pytest.mark.skipif(NO_TRITON, reason="triton is not installed (CUDA builds of torch ship it)")
+@needs_interpreter
 def test_the_kernel_through_tritons_interpreter_gives_the_formula_and_its_gradients():
     assert_interpreted_errors_within(FORMULA, FORMULA_CASES, TOLERANCE)  # against float64 on the same inputs
 
 
-@pytest.mark.skipif(NO_TRITON, reason="triton is not installed (CUDA builds of torch ship it)")
+@needs_interpreter
 def test_a_model_on_the_kernel_gives_the_float64_eager_model():
     """Logits within 1e-4 and each gradient within 0.5% of the float64 eager model's (tests/test_cuda.py's check)."""
     assert_kernel_models_match("cope_attention", ["cope", "composite:cope+rope"])

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from posbench.attention import fla
-from tests.helpers import NO_TRITON, assert_interpreted_errors_within, assert_kernel_models_match, make_case
+from tests.helpers import assert_interpreted_errors_within, assert_kernel_models_match, make_case, needs_interpreter
 
 
 def dape_by_formula(q, k, v, bias, w1, b1, w2, b2, slope, scale):
@@ -66,14 +66,14 @@ FORMULA_CASES = ["4,16,16,8,shared,float32", "4,37,16,8,none,float32", "3,37,8,8
 TOLERANCE = {"float32": 1e-5, "float16": 5e-3}  # of each largest entry: float16 probabilities in the products
 
 
-@pytest.mark.skipif(NO_TRITON, reason="triton is not installed (CUDA builds of torch ship it)")
+@needs_interpreter
 def test_the_kernel_through_tritons_interpreter_gives_the_formula_and_its_gradients():
     found = assert_interpreted_errors_within(FORMULA, FORMULA_CASES, TOLERANCE)  # against float64, same inputs
     for case, errors in found.items():
         assert len(errors) == (8 if ",none," in case else 9)
 
 
-@pytest.mark.skipif(NO_TRITON, reason="triton is not installed (CUDA builds of torch ship it)")
+@needs_interpreter
 def test_a_model_on_the_kernel_gives_the_float64_eager_model_with_each_base():
     """Logits within 1e-4 and each gradient within 0.5% of the float64 eager model's (tests/test_cuda.py's check):
     the base's bias (kerple's, fire's) gets its gradient through the kernel; rope's network reads S alone, after
