@@ -27,6 +27,11 @@ run)
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 WANDB_MODE=disabled
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia_smi.csv"
     python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/nvidia_smi.csv"
+    python3 -c "import numpy, triton; print('triton', triton.__version__, 'numpy', numpy.__version__)" \
+        | tee -a "$OUT/nvidia_smi.csv"
+    # the registers and spills of posbench's kernels under this machine's Triton (the tiles were chosen under 3.6
+    # and 3.9 without a GPU), about 10 s
+    timeout 60 python3 scripts/kernel_resources.py > "$OUT/kernel_resources.md" 2>&1
     # each step within what is left of ${GPU_SESSION_S:-570} s, most telling first; every file is copied to
     # $OUT as soon as it is written, so a call cut short keeps what it measured
     left() { echo $(( ${GPU_SESSION_S:-570} - SECONDS )); }

@@ -89,7 +89,10 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--width", type=int, default=32, help="DAPE's network width (its default)")
     args = parser.parse_args()
-    print(f"sm_{args.arch}, heads of {args.head_dim} features, {args.heads} heads, DAPE width {args.width}")
+    import triton
+
+    print(f"sm_{args.arch}, heads of {args.head_dim} features, {args.heads} heads, DAPE width {args.width}, "
+          f"triton {triton.__version__}")
     print("| kernel | inputs | warps | registers | spill stores (B) | spill loads (B) | shared memory (B) |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for dtype in ("fp32", "bf16"):
