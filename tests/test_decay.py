@@ -75,7 +75,7 @@ def test_fox_attention_is_the_papers_formula(backend):
     attn = model.blocks[0].attn
     with torch.no_grad():
         got = attn(x, PositionContext(model.encoding, pos))
-    torch.testing.assert_close(got, fox_by_hand(x, attn, model.encoding.gates[0]), rtol=0, atol=1e-12)
+    assert_close_scaled(got, fox_by_hand(x, attn, model.encoding.gates[0]), rtol=1e-12)
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
@@ -96,7 +96,7 @@ def test_fox_pro_output_norm_and_gate_follow_the_official_layer(backend):
     gated = normed.reshape(2, LENGTH, D_MODEL) * weight * torch.sigmoid(x @ enc.output_gates[1].weight.T)
     with torch.no_grad():
         got = attn(x, PositionContext(enc, torch.arange(LENGTH)[None]))
-    torch.testing.assert_close(got, gated @ attn.out.weight.T, rtol=0, atol=1e-12)
+    assert_close_scaled(got, gated @ attn.out.weight.T, rtol=1e-12)
     assert enc.hooks == {"decay", "output"} and enc.params()["output_gate"] is True
 
 
@@ -116,7 +116,7 @@ def test_fox_pro_token_shifts_follow_the_official_shift_linear(backend, shifts):
     with torch.no_grad():
         got = attn(x, PositionContext(enc, torch.arange(LENGTH)[None]))
     expected = fox_heads_by_hand(x, attn, enc.gates[1], **weights) @ attn.out.weight.T
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    assert_close_scaled(got, expected, rtol=1e-12)
     assert enc.hooks == {"decay", "kv"} and all(enc.params()[key] for key in weights)
 
 
@@ -209,9 +209,9 @@ def test_fox_qk_norm_and_rope_follow_their_formulas():
         a, b = t[..., :half], t[..., half:]
         return torch.cat([a * angle.cos() - b * angle.sin(), a * angle.sin() + b * angle.cos()], dim=-1)
 
-    torch.testing.assert_close(got_q, rotate_half(normed, pos), rtol=0, atol=1e-12)
+    assert_close_scaled(got_q, rotate_half(normed, pos), rtol=1e-12)
     normed_k = k / torch.sqrt((k * k).mean(-1, keepdim=True) + 1e-6) * w_k
-    torch.testing.assert_close(got_k, rotate_half(normed_k, pos), rtol=0, atol=1e-12)
+    assert_close_scaled(got_k, rotate_half(normed_k, pos), rtol=1e-12)
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
@@ -229,7 +229,7 @@ def test_causal_alibi_as_a_decay_is_the_papers_linear_bias(backend):
     logits = logits.masked_fill(distance < 0, float("-inf"))
     expected = (logits.softmax(-1) @ v).transpose(1, 2).reshape(2, LENGTH, D_MODEL) @ attn.out.weight.T
     with torch.no_grad():
-        torch.testing.assert_close(attn(x, PositionContext(enc, pos)), expected, rtol=0, atol=1e-12)
+        assert_close_scaled(attn(x, PositionContext(enc, pos)), expected, rtol=1e-12)
 
 
 def test_composite_decays_add_their_levels():
@@ -297,7 +297,7 @@ def test_ssmax_scales_the_logits_by_s_log_keys_seen():
         expected = (logits.softmax(-1) @ v).transpose(1, 2).reshape(2, LENGTH, D_MODEL) @ attn.out.weight.T
         with torch.no_grad():
             got = attn(x, PositionContext(enc, torch.arange(LENGTH)[None]))
-        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12, msg=backend)
+        assert_close_scaled(got, expected, rtol=1e-12, name=backend)
 
 
 def test_ssmax_beside_rope_scales_the_rotated_query():

@@ -59,7 +59,7 @@ def test_position_interpolation_is_rope_at_positions_k_over_s():
     pos = (torch.arange(SEQ) + 40)[None]
     inv_freq, _ = SCALINGS["pi"](HEAD_DIM, 10000.0, 32, 80)
     expected = rotate(q, pos.double() / 2.5, rope_inv_freq(HEAD_DIM), "half")
-    torch.testing.assert_close(rotate(q, pos, inv_freq, "half"), expected, rtol=0, atol=1e-12)
+    assert_close_scaled(rotate(q, pos, inv_freq, "half"), expected, rtol=1e-12)
 
 
 @pytest.mark.parametrize("head_dim", [4, 16, 64])
@@ -243,8 +243,7 @@ def test_yarn_scales_the_logits_by_the_square_of_the_attention_factor(layout):
     rq, rk = enc.qk(q, k, pos, pos, 0)
     plain = rotate(q, pos, inv_freq, layout) @ rotate(k, pos, inv_freq, layout).transpose(-1, -2)
     # logits up to ~25: a rounding per product of the head_dim-long dot products
-    assert_close_scaled(rq @ rk.transpose(-1, -2), plain * (0.1 * math.log(4) + 1) ** 2, ulps=HEAD_DIM,
-                        name="logits")
+    assert_close_scaled(rq @ rk.transpose(-1, -2), plain * (0.1 * math.log(4) + 1) ** 2, ulps=HEAD_DIM, name="logits")
     assert factor == pytest.approx(0.1 * math.log(4) + 1, rel=1e-15)
 
 

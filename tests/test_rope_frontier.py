@@ -64,10 +64,8 @@ def test_p_rope_rotates_the_kept_pairs_and_leaves_the_others(layout):
                 assert torch.equal(out[..., a], x[..., a]) and torch.equal(out[..., b], x[..., b])
                 continue
             angle = pos[:, None, :].double() * theta(m)  # [B, 1, L]
-            torch.testing.assert_close(out[..., a], x[..., a] * angle.cos() - x[..., b] * angle.sin(),
-                                       rtol=0, atol=1e-12)
-            torch.testing.assert_close(out[..., b], x[..., a] * angle.sin() + x[..., b] * angle.cos(),
-                                       rtol=0, atol=1e-12)
+            assert_close_scaled(out[..., a], x[..., a] * angle.cos() - x[..., b] * angle.sin(), rtol=1e-12)
+            assert_close_scaled(out[..., b], x[..., a] * angle.sin() + x[..., b] * angle.cos(), rtol=1e-12)
 
 
 def test_p_rope_is_not_partial_rotation():
@@ -172,8 +170,8 @@ def test_p_rope_matches_gemmas_rope_proportion(p):
     q, k = qk_pair()
     pos = torch.stack([torch.arange(SEQ), torch.arange(SEQ) * 3 + 50])  # [B, L]
     rq, rk = RoPE(dims(), base=1e6, layout="half", frequency_fraction=p).double().qk(q, k, pos, pos, 0)
-    torch.testing.assert_close(rq, gemma_rope(q, pos, 1e6, p), rtol=0, atol=1e-12)
-    torch.testing.assert_close(rk, gemma_rope(k, pos, 1e6, p), rtol=0, atol=1e-12)
+    assert_close_scaled(rq, gemma_rope(q, pos, 1e6, p), rtol=1e-12)
+    assert_close_scaled(rk, gemma_rope(k, pos, 1e6, p), rtol=1e-12)
 
 
 # --- HoPE: frequency_cut=hope -------------------------------------------------------------------
@@ -346,8 +344,7 @@ def test_longrope_start_positions_match_the_official_rule(layout, fraction, p):
             enc.set_eval_length(16, length)
         scaled = [theta(m, rotary) / lambdas[m] for m in range(rotary // 2)]
         for x, got in zip((q, k), enc.qk(q, k, pos, pos, 0)):
-            torch.testing.assert_close(got, naive_longrope(x, pos, scaled, gain, 5, layout, rotary, kept),
-                                       rtol=0, atol=1e-12)
+            assert_close_scaled(got, naive_longrope(x, pos, scaled, gain, 5, layout, rotary, kept), rtol=1e-12)
 
 
 @pytest.mark.parametrize("length", [16, 64])
@@ -505,7 +502,7 @@ def test_resonance_rotates_as_the_official_tables(layout):
         cos, sin = angles[:, m].cos(), angles[:, m].sin()  # [L]
         expected[..., a] = q[..., a] * cos - q[..., b] * sin
         expected[..., b] = q[..., a] * sin + q[..., b] * cos
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    assert_close_scaled(got, expected, rtol=1e-12)
 
 
 def test_resonance_is_shift_invariant_far_past_any_period():
@@ -517,7 +514,7 @@ def test_resonance_is_shift_invariant_far_past_any_period():
         q_r, k_r = enc.qk(q, k, pos + shift, pos + shift, 0)
         return q_r @ k_r.transpose(-1, -2)  # [1, H, L, L]
 
-    torch.testing.assert_close(logits(100_003), logits(0), rtol=0, atol=1e-10)
+    assert_close_scaled(logits(100_003), logits(0), rtol=1e-10)
 
 
 def test_resonance_keeps_float32_angles_exact_at_a_million_positions():

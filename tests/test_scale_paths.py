@@ -41,8 +41,7 @@ def test_chunked_evaluation_equals_one_pass(name, causal):
         model = trained_looking_model(name, backend, causal).eval()
         for chunk in (1, 5, LENGTH - 1):
             model.set_eval_chunk(chunk)
-            torch.testing.assert_close(model(ids_for(), pos), reference, rtol=0, atol=1e-10,
-                                       msg=f"{backend}, chunk {chunk}")
+            assert_close_scaled(model(ids_for(), pos), reference, rtol=1e-10, name=f"{backend}, chunk {chunk}")
 
 
 @pytest.mark.parametrize("name", SEQUENCE_BIAS + ["shaw", "transformer_xl"])
@@ -55,7 +54,7 @@ def test_chunked_evaluation_with_scattered_and_per_sequence_positions(name):
         for backend in backends_for(name):
             model = trained_looking_model(name, backend).eval()
             model.set_eval_chunk(4)
-            torch.testing.assert_close(model(ids_for(length=17), pos), reference, rtol=0, atol=1e-10)
+            assert_close_scaled(model(ids_for(length=17), pos), reference, rtol=1e-10)
 
 
 @pytest.mark.parametrize("name,causal", with_layouts(ALL))
@@ -67,7 +66,7 @@ def test_chunked_evaluation_with_a_sliding_window_equals_one_pass(name, causal):
         model = trained_looking_model(name, backend, causal, window=[5, None]).eval()
         reference = model(ids_for(), pos)
         model.set_eval_chunk(7)
-        torch.testing.assert_close(model(ids_for(), pos), reference, rtol=0, atol=1e-10, msg=backend)
+        assert_close_scaled(model(ids_for(), pos), reference, rtol=1e-10, name=backend)
 
 
 def test_auto_chunk_splits_long_evaluations(monkeypatch):
@@ -80,7 +79,7 @@ def test_auto_chunk_splits_long_evaluations(monkeypatch):
                         lambda *args: calls.append(args[-1][1] - args[-1][0]) or original(*args))  # stop - start
     reference = model(ids_for(), torch.arange(LENGTH)[None])
     model.set_eval_chunk("auto")
-    torch.testing.assert_close(model(ids_for(), torch.arange(LENGTH)[None]), reference, rtol=0, atol=1e-10)
+    assert_close_scaled(model(ids_for(), torch.arange(LENGTH)[None]), reference, rtol=1e-10)
     assert calls == [6, 6, 6, 6]
 
 
@@ -103,7 +102,7 @@ def test_training_paths_give_the_reference_gradients(name, monkeypatch):
     monkeypatch.setattr(fused_cpu, "GRAD_BLOCK", 4)
     for backend in backends_for(name):
         logits, grads = outputs_and_grads(trained_looking_model(name, backend))
-        torch.testing.assert_close(logits, expected, rtol=0, atol=1e-10, msg=backend)
+        assert_close_scaled(logits, expected, rtol=1e-10, name=backend)
         assert grads.keys() == expected_grads.keys()
         for key, grad in grads.items():
             assert_close_scaled(grad, expected_grads[key], rtol=1e-8, atol_scale=1e-10, name=f"{backend} {key}")
@@ -153,8 +152,7 @@ def test_offset_rows_give_the_bias_of_every_block(name):
     assert context.offset_rows(0) is not None
     full = enc.bias(pos, pos, 0)  # [1, H, L, L]
     for start, stop, end in ((0, 5, 5), (5, 11, 11), (20, 23, 23), (3, 9, LENGTH)):
-        torch.testing.assert_close(context.block_bias(0, start, stop, end), full[:, :, start:stop, :end],
-                                   rtol=0, atol=1e-12)
+        assert_close_scaled(context.block_bias(0, start, stop, end), full[:, :, start:stop, :end], rtol=1e-12)
 
 
 @pytest.mark.parametrize("name", ["alibi", "t5", "shaw", "transformer_xl", "nope"])
@@ -166,7 +164,7 @@ def test_chunked_segment_recurrence_equals_reading_both_segments_at_once(name):
         model.set_eval_chunk(4)
         first, memory = model.forward_recurrent(ids[:, :9], None, memory_length=9)
         second, _ = model.forward_recurrent(ids[:, 9:], memory, memory_length=9)
-        torch.testing.assert_close(torch.cat([first, second], 1), full, rtol=0, atol=1e-10, msg=backend)
+        assert_close_scaled(torch.cat([first, second], 1), full, rtol=1e-10, name=backend)
 
 
 def test_auto_backend_follows_the_device():
@@ -202,7 +200,7 @@ def test_fire_piecewise_linear_mlp_is_the_mlp():
         mlp[0].weight[0, 0], mlp[0].weight[1, 0], mlp[0].bias[1] = 0.0, 0.0, -1.0
     x = (torch.rand(2, 9, 9, dtype=torch.float64) * 4 - 1).requires_grad_()
     expected, got = mlp(x[..., None]), piecewise_linear_mlp(mlp, x)
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    assert_close_scaled(got, expected, rtol=1e-12)
     grad = torch.randn_like(expected)
     inputs = [x, *mlp.parameters()]
     for a, b in zip(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
@@ -250,4 +248,4 @@ def test_a_relative_bias_beside_a_rotation_and_a_content_term_keeps_its_offset_r
     reference = model(ids_for(), pos)
     assert PositionContext(enc, pos, pos).offset_rows(0) is not None
     model.set_eval_chunk(5)
-    torch.testing.assert_close(model(ids_for(), pos), reference, rtol=0, atol=1e-10)
+    assert_close_scaled(model(ids_for(), pos), reference, rtol=1e-10)
