@@ -31,10 +31,12 @@ run)
         | tee -a "$OUT/nvidia_smi.csv"
     # the registers and spills of posbench's kernels under this machine's Triton (the tiles were chosen under 3.6
     # and 3.9 without a GPU), about 10 s
-    timeout 60 python3 scripts/kernel_resources.py > "$OUT/kernel_resources.md" 2>&1
+    timeout 30 python3 scripts/kernel_resources.py > "$OUT/kernel_resources.md" 2>&1
     # each step within what is left of ${GPU_SESSION_S:-570} s, most telling first; every file is copied to
     # $OUT as soon as it is written, so a call cut short keeps what it measured
     left() { echo $(( ${GPU_SESSION_S:-570} - SECONDS )); }
+    within() { local s=$(( $(left) < $1 ? $(left) : $1 )); echo $(( s > 1 ? s : 1 )); }  # a part's seconds, never
+        # past the session's (at least 1: timeout 0 would wait forever)
     keep() { for file in /tmp/gpu*/*/*.csv; do [ -e "$file" ] || continue  # results_<part folder>_<device>_<file>
         local device_dir; device_dir=$(dirname "$file")
         cp "$file" "$OUT/results_$(basename "$(dirname "$device_dir")")_$(basename "$device_dir")_$(basename "$file")"
@@ -62,16 +64,17 @@ run)
             done ;;
         startup)  # the default job's time outside training (46 s wall against 35 s of training on an H100): the same
             # command untrained, timed whole, with Python's import times
-            ( TIMEFORMAT="startup: %R s wall, %U s user"; time timeout "${GPU_STARTUP_S:-50}" python3 -X importtime \
-                -m posbench encoding=rope task=copy train.steps=0 hydra.run.dir=/tmp/startup \
+            ( TIMEFORMAT="startup: %R s wall, %U s user"; time timeout "$(within "${GPU_STARTUP_S:-50}")" \
+                python3 -X importtime -m posbench encoding=rope task=copy train.steps=0 hydra.run.dir=/tmp/startup \
                 > "$OUT/startup.log" 2> "$OUT/startup_imports.log" ) 2>&1 | tee -a "$OUT/startup.log" ;;
         costs)  # where the bias and decay methods' attention time goes (the cause of each shortfall against nope):
             # one call's parts, each timed against nope's kernel, the eager methods' too (scripts/attention_costs.py)
-            timeout "${GPU_COSTS_S:-80}" python3 scripts/attention_costs.py --budget-s $(( ${GPU_COSTS_S:-80} - 30 )) \
+            costs_s=$(within "${GPU_COSTS_S:-80}"); (( costs_s > 40 )) || continue
+            timeout "$costs_s" python3 scripts/attention_costs.py --budget-s $(( costs_s - 30 )) \
                 --out "$OUT/attention_costs.csv" 2>&1 | tee "$OUT/attention_costs.log" | tail -n 5 ;;
         tests)  # the CUDA checks of capture and the compile modes (never reached in 2026-11-27's calls: first now), the
             # launcher's pinning, the data path and device memory; 8 workers (pyproject's addopts cap them at 4)
-            POSBENCH_FAILURE_LOG="$OUT/test_failures.log" timeout $(( $(left) < ${GPU_TESTS_S:-130} ? $(left) : ${GPU_TESTS_S:-130} )) \
+            POSBENCH_FAILURE_LOG="$OUT/test_failures.log" timeout "$(within "${GPU_TESTS_S:-130}")" \
                 python3 -m pytest -v -p no:randomly -n 8 --maxprocesses=8 -p no:cacheprovider \
                 tests/test_cuda.py::test_the_captured_step_trains_on_cuda_to_the_uncompiled_losses \
                 tests/test_cuda.py::test_sdpa_with_the_decay_padded_to_a_multiple_of_8_gives_the_cpu_reference \
