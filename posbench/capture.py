@@ -13,7 +13,11 @@ draws. The learning rate is a tensor the graphs read (AdamW's `capturable`), set
 
 On the CPU there is no graph: the same static buffers, warm-up and restore, then the step run as it is, so
 CI tests everything but the capture itself. A step that reads a value back to the host (an encoding's
-.item(), a data-dependent shape) cannot be captured: the capture's error is raised with the mode named.
+.item(), a data-dependent shape) cannot be captured: every step of this mode runs under graph_safe, where the
+hooks take their paths that read nothing back (posbench.encodings.base.host_reads_allowed), and on the CPU the
+warm-up steps watch for such a read before the optimizer's step (HostReads: a value read, nonzero, masked_select)
+and refuse naming where it was made, as the capture on CUDA would fail. A `.tolist()` of a CPU tensor reads its
+memory without an operator and escapes that watch; on CUDA the capture's error is raised with the mode named.
 Gradients are tensors every graph writes, zeroed at each step: a parameter that gets no gradient in a step
 is stepped as one whose gradient is zero (AdamW's moments decay and its count advances), where the uncompiled
 step leaves it out, so the two differ where a parameter goes unused (after an encoding's phase switch, say).
@@ -22,12 +26,15 @@ MOST_GRAPHS), where the memory guard counts one (posbench.guard): for small mode
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import traceback
+from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from posbench import distributed
+from posbench.encodings.base import graph_safe
 
 WARMUP_STEPS = 3  # steps run before each capture (on CUDA, on a side stream), then undone
 MOST_GRAPHS = 64  # graphs one run may record (each holds its own activation memory)
@@ -43,6 +50,41 @@ def capture_refusal(train_length: int, lengths: str) -> str | None:
     if lengths == "uniform" and train_length > MOST_GRAPHS:
         return f"{TOO_MANY}; here train.length={train_length}"
     return None
+
+
+HOST_READS = {"aten._local_scalar_dense.default": "a value read on the host (.item(), int(), a tensor's truth)",
+              "aten.nonzero.default": "nonzero (an output sized by the data)",
+              "aten.masked_select.default": "masked_select (an output sized by the data)"}
+PROJECT = Path(__file__).resolve().parent.parent
+
+
+class HostReads(TorchDispatchMode):
+    """Refuses an operator that reads a tensor's values back to the host, naming it and posbench's line that
+    called it; paused while the optimizer steps (AdamW reads its step counts on the CPU, and on CUDA runs
+    `capturable`, reading none)."""
+
+    supports_higher_order_operators = True  # flex_attention passes through, its inner operators watched
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        super().__init__()
+        self.paused = False
+        self.hooks = [optimizer.register_step_pre_hook(lambda *_: setattr(self, "paused", True)),
+                      optimizer.register_step_post_hook(lambda *_: setattr(self, "paused", False))]
+
+    def __exit__(self, *exc):
+        for hook in self.hooks:
+            hook.remove()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        what = HOST_READS.get(str(func))
+        if what is not None and not self.paused:
+            ours = [frame for frame in traceback.extract_stack()
+                    if frame.filename.startswith(str(PROJECT)) and not frame.filename.endswith("capture.py")]
+            where = f"{Path(ours[-1].filename).relative_to(PROJECT)}:{ours[-1].lineno}" if ours else "torch"
+            raise RuntimeError(f"train.compile=capture cannot record this training step as a CUDA graph: {what} at "
+                               f"{where}; use train.compile=graphs or false")
+        return func(*args, **(kwargs or {}))
 
 
 def _state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -78,7 +120,8 @@ class CapturedSteps:
             getattr(static_batch, name).copy_(getattr(batch, name), non_blocking=True)
         static_positions.copy_(positions, non_blocking=True)
         if graph is None:  # the CPU: the step itself, on the static buffers
-            return self.step_fn(static_batch, static_positions)
+            with graph_safe():
+                return self.step_fn(static_batch, static_positions)
         graph.replay()
         return outputs
 
@@ -89,7 +132,7 @@ class CapturedSteps:
         stream = torch.cuda.Stream(self.device) if self.cuda else None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        with torch.cuda.stream(stream) if stream is not None else HostReads(self.optimizer), graph_safe():
             for _ in range(WARMUP_STEPS):
                 self.step_fn(static_batch, static_positions)
         if stream is not None:
@@ -99,7 +142,7 @@ class CapturedSteps:
             return None, static_batch, static_positions, None
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph), graph_safe():
                 outputs = self.step_fn(static_batch, static_positions)
         except RuntimeError as err:
             raise RuntimeError(f"train.compile=capture could not record the training step as a CUDA graph ({err}); "

@@ -9,9 +9,12 @@ from omegaconf import OmegaConf
 
 from posbench import capture, distributed
 from posbench.build import build
-from posbench.capture import WARMUP_STEPS, CapturedSteps
+from posbench.capture import WARMUP_STEPS, CapturedSteps, HostReads
+from posbench.encodings import cope as cope_module
+from posbench.encodings.base import bias_by_offset, graph_safe
 from posbench.training import make_optimizer, train_step
-from tests.helpers import compose_cfg, posbench, read_rows
+from tests.helpers import (ENCODING_CASES, compose_cfg, make_encoding, positions_for, posbench, read_rows,
+                           trained_looking_model, with_layouts)
 
 
 def test_a_captured_run_trains_to_the_uncompiled_runs_exact_losses_on_the_cpu(tmp_path):
@@ -82,3 +85,46 @@ def test_capture_is_refused_under_torchrun(monkeypatch):
         build(cfg, torch.device("cpu"))
     OmegaConf.update(cfg, "train.compile", False)
     build(cfg, torch.device("cpu"))  # the uncaptured run is not refused
+
+
+def training_step_under_capture(model, ids, pos) -> None:
+    """What CapturedSteps' warm-up runs on the CPU: a training step (forward, backward, AdamW) in graph_safe,
+    watched for reads back to the host."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with HostReads(optimizer), graph_safe():
+        model(ids, pos).sin().sum().backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("backend", ["auto", "eager"])
+@pytest.mark.parametrize("case,causal", with_layouts(ENCODING_CASES))
+def test_every_encodings_training_step_reads_nothing_back_to_the_host(case, causal, backend):
+    """A CUDA graph cannot record a read back to the host: in graph_safe every hook takes its path that reads
+    none (floater, learned_2d, cope and the relative bias rows had one each), on auto's CPU backend and on eager."""
+    model = trained_looking_model(case, backend=backend, causal=causal).train()
+    ids = torch.randint(0, 11, (2, 24), generator=torch.Generator().manual_seed(0))
+    training_step_under_capture(model, ids, positions_for(model.encoding, 24))
+
+
+def test_a_host_read_in_a_captured_step_is_refused_on_the_cpu_naming_where(monkeypatch):
+    """CoPE's table rows read on the host, as before graph_safe: the warm-up refuses it, as the capture on CUDA
+    would fail, naming the line; the optimizer's own reads on the CPU (AdamW's step counts) are not counted."""
+    monkeypatch.setattr(cope_module, "host_reads_allowed", lambda: True)
+    model = trained_looking_model("cope").train()
+    ids = torch.randint(0, 11, (2, 24), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match=r"cannot record .* a value read on the host .* at "
+                                           r"posbench/encodings/cope\.py:\d+; use train\.compile=graphs or false"):
+        training_step_under_capture(model, ids, torch.arange(24)[None])
+
+
+def test_the_relative_bias_rows_of_a_recorded_step_cover_the_training_offsets_with_the_same_values():
+    """bias_by_offset reads the positions' range on the host; in graph_safe it takes every offset the training
+    positions allow instead (ModelDims.train_positions): the same bias at each offset the positions span."""
+    encoding = make_encoding("kerple", n_heads=2, max_positions=64)
+    torch.nn.init.normal_(encoding.raw_r1, std=0.3)
+    q_pos = torch.tensor([[5, 9, 20]])
+    rows, _, first = bias_by_offset(encoding, q_pos, q_pos, 0)  # offsets -15 .. 15
+    with graph_safe():
+        bounded, first_tensor, bound_first = bias_by_offset(encoding, q_pos, q_pos, 0)  # offsets -63 .. 63
+    assert (first, bound_first, int(first_tensor)) == (-15, -63, -63) and bounded.shape == (2, 127)
+    assert torch.equal(bounded[:, first - bound_first:][:, :rows.shape[1]], rows)

@@ -45,8 +45,9 @@ if triton is not None:
         q_pos = tl.load(qpos_ptr + pos_at + offs_m, mask=in_m, other=0)  # [BM]
         k_pos = tl.load(kpos_ptr + pos_at + offs_n, mask=in_n, other=0)  # [BN]
         index = q_pos[:, None] - k_pos[None, :] - first  # [BM, BN]
-        bias = tl.load(rows_ptr + head * n_rows + index, mask=seen, other=0.0)  # [BM, BN]
-        return bias, seen, index
+        in_rows = seen & (index >= 0) & (index < n_rows)  # all of seen but past the rows' bound: no stray read
+        bias = tl.load(rows_ptr + head * n_rows + index, mask=in_rows, other=0.0)  # [BM, BN]
+        return bias, seen, index, in_rows
 
     @triton.jit
     def _forward(q_ptr, k_ptr, v_ptr, rows_ptr, qpos_ptr, kpos_ptr, out_ptr, lse_ptr, length, heads, n_rows, first,
@@ -70,8 +71,8 @@ if triton is not None:
             rows_n = (base + offs_n[:, None]) * D + offs_d[None, :]
             k = tl.load(k_ptr + rows_n, mask=in_n[:, None] & in_d[None, :], other=0.0)  # [BN, DP]
             v = tl.load(v_ptr + rows_n, mask=in_n[:, None] & in_d[None, :], other=0.0)  # [BN, DP]
-            bias, seen, _ = _bias(rows_ptr, qpos_ptr, kpos_ptr, head, pos_at, n_rows, first, offs_m, offs_n, in_m,
-                                  in_n, CAUSAL)
+            bias, seen, _, _ = _bias(rows_ptr, qpos_ptr, kpos_ptr, head, pos_at, n_rows, first, offs_m, offs_n,
+                                     in_m, in_n, CAUSAL)
             logits = tl.where(seen, dot(q, tl.trans(k), IEEE) * scale + bias, float("-inf"))  # [BM, BN]
             new_max = tl.maximum(running_max, tl.max(logits, axis=1))
             new_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with nothing seen yet
@@ -111,8 +112,8 @@ if triton is not None:
             dout = tl.load(dout_ptr + rows_m, mask=in_m[:, None] & in_d[None, :], other=0.0)  # [BM, DP]
             lse = tl.load(lse_ptr + base + offs_m, mask=in_m, other=0.0)
             delta = tl.load(delta_ptr + base + offs_m, mask=in_m, other=0.0)  # D = dO . O
-            bias, seen, index = _bias(rows_ptr, qpos_ptr, kpos_ptr, head, pos_at, n_rows, first, offs_m, offs_n,
-                                      in_m, in_n, CAUSAL)
+            bias, seen, index, in_rows = _bias(rows_ptr, qpos_ptr, kpos_ptr, head, pos_at, n_rows, first, offs_m,
+                                               offs_n, in_m, in_n, CAUSAL)
             logits = dot(q, tl.trans(k), IEEE) * scale + bias
             probs = tl.where(seen, tl.exp(logits - lse[:, None]), 0.0)  # P: [BM, BN]
             ds = probs * (dot(dout, tl.trans(v), IEEE) - delta[:, None])  # d logit: [BM, BN]
@@ -120,7 +121,7 @@ if triton is not None:
             dk += dot(tl.trans(ds), q, IEEE)
             tl.atomic_add(dq_ptr + rows_m, dot(ds, k, IEEE) * scale, mask=in_m[:, None] & in_d[None, :])
             if ROWS_GRAD:
-                tl.atomic_add(drows_at + index, ds, mask=seen)
+                tl.atomic_add(drows_at + index, ds, mask=in_rows)
         tl.store(dk_ptr + rows_n, (dk * scale).to(dk_ptr.dtype.element_ty), mask=in_n[:, None] & in_d[None, :])
         tl.store(dv_ptr + rows_n, dv.to(dv_ptr.dtype.element_ty), mask=in_n[:, None] & in_d[None, :])
 

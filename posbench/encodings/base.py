@@ -23,6 +23,7 @@ index r * W + c, converted once per forward by `read_positions` (the one adapter
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -261,11 +262,32 @@ class Encoding(nn.Module):
         return ", ".join(f"{k}={v}" for k, v in self.params().items())
 
 
+_graph_safe_steps = 0  # graph_safe() contexts entered and not yet left
+
+
+@contextlib.contextmanager
+def graph_safe():
+    """The training steps of train.compile=capture, on every device (posbench.capture): the hooks take their
+    paths that read nothing back to the host, which a CUDA graph cannot record."""
+    global _graph_safe_steps
+    _graph_safe_steps += 1
+    try:
+        yield
+    finally:
+        _graph_safe_steps -= 1
+
+
+def host_reads_allowed() -> bool:
+    """Whether a hook may read a tensor's value on the host: not inside a compiled graph (train.compile), where
+    the read would break the graph, nor in a step recorded as a CUDA graph (graph_safe)."""
+    return not (_graph_safe_steps or torch.compiler.is_compiling())
+
+
 def position_range(pos: torch.Tensor) -> tuple[int, int] | None:
-    """(smallest, largest) position id, read on the host for a bounds check; None inside a compiled graph
-    (train.compile), where the read would break the graph: training positions lie within the tables
-    by construction, and evaluation, where lengths grow, runs uncompiled."""
-    if torch.compiler.is_compiling():
+    """(smallest, largest) position id, read on the host for a bounds check; None where no host read is
+    allowed (host_reads_allowed: a compiled or recorded training step): training positions lie within the
+    tables by construction, and evaluation, where lengths grow, runs uncompiled."""
+    if not host_reads_allowed():
         return None
     return int(pos.min()), int(pos.max())
 
@@ -287,9 +309,16 @@ def bias_by_offset(encoding: Encoding, q_pos: torch.Tensor, k_pos: torch.Tensor,
                    layer: int) -> tuple[torch.Tensor | None, torch.Tensor, int]:
     """For a bias of i - j alone (a relative encoding): the encoding's own bias() of every offset the positions
     [B', Lq], [B', Lk] span, [H, n] from the first offset (None where the layer has no bias: a schedule's), and
-    that offset as a tensor (a score_mod's: an int would compile in as a constant) and as an int."""
-    first, top = q_pos.min() - k_pos.max(), q_pos.max()
-    low, high = torch.stack([first, top - k_pos.min()]).tolist()  # one read on the host
+    that offset as a tensor (a score_mod's: an int would compile in as a constant) and as an int. Where no host
+    read is allowed (a compiled or recorded training step), every offset of the training positions instead
+    (ModelDims.train_positions), which bound them by construction."""
+    if host_reads_allowed():
+        first, top = q_pos.min() - k_pos.max(), q_pos.max()
+        low, high = torch.stack([first, top - k_pos.min()]).tolist()  # one read on the host
+    else:
+        high = encoding.dims.train_positions - 1
+        low = -high
+        first, top = (torch.tensor(value, device=q_pos.device) for value in (low, high))
     offsets = torch.arange(low, high + 1, device=q_pos.device)  # i - j: [n]
     rows = encoding.bias(top.view(1, 1), (top - offsets)[None], layer)  # keys at top - offset: [1, H, 1, n]
     return (None if rows is None else rows[0, :, 0]), first, low

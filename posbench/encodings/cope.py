@@ -29,7 +29,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from posbench.checks import Integer
-from posbench.encodings.base import FLOAT_BYTES, Encoding, LayerShape, ModelDims
+from posbench.encodings.base import FLOAT_BYTES, Encoding, LayerShape, ModelDims, host_reads_allowed
 
 
 class _Positional(torch.autograd.Function):
@@ -62,8 +62,8 @@ class _Positional(torch.autograd.Function):
         rows = e.shape[0] - 1
         if rows <= p.shape[-1]:  # else p <= the keys < rows
             p.clamp_(max=rows - 1)
-        # the rows read: p is largest at the first key; every row inside a compiled graph (no host read there)
-        used = e.shape[0] if torch.compiler.is_compiling() else int(p[..., 0].max()) + 2
+        # the rows read: p is largest at the first key; every row where no host read is allowed
+        used = int(p[..., 0].max()) + 2 if host_reads_allowed() else e.shape[0]
         z = (q.to(e.dtype) @ e[:used].T).to(e.dtype)  # [B, H, Lq, used], float32 under bf16 autocast too
         # flat indices of z[f]: index_select and index_add_ take int32, half the bytes of gather's int64
         kind = torch.int32 if z.numel() < 2 ** 31 else torch.int64
@@ -142,7 +142,7 @@ class CoPE(Encoding):
         e = self.scaled_table(call.layer, k.shape[-2], compute)  # [rows + 1, d]
         visible = call.visible()  # [Lq, Lk] or None
         hidden = None
-        if visible is not None and torch.compiler.is_compiling():  # no host read inside a compiled graph
+        if visible is not None and not host_reads_allowed():  # inside a compiled or recorded step
             hidden = ~visible  # [Lq, Lk]
         elif visible is not None and not visible.all():
             first = int((~visible).any(0).nonzero()[0])  # the first key hidden from some query

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from posbench.checks import Flag, Integer, Real
-from posbench.encodings.base import Encoding, LayerShape, ModelDims
+from posbench.encodings.base import Encoding, LayerShape, ModelDims, position_range
 
 
 def rk4_trajectory(func: Callable[[float, torch.Tensor], torch.Tensor], y0: torch.Tensor, step: float,
@@ -88,6 +88,7 @@ class Floater(Encoding):
         # the dynamics' MLP, each a few small tensors and their nodes: measured ~56 kB a step at d_model 64)
         return shape.tokens * self.substeps * RK4_STEP_BYTES if shape.training and not layer else 0.0
 
+    @torch.compiler.disable  # run as it is inside a compiled model: unrolled, its steps would take minutes to compile
     def trajectory(self, top: int) -> torch.Tensor:
         """p(k * delta) for k = 0..top: [top + 1, D]."""
         return rk4_trajectory(self.dynamics, self.initial, self.delta / self.substeps, top * self.substeps,
@@ -104,6 +105,8 @@ class Floater(Encoding):
 
     def embed(self, x: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         pos = pos.long()
-        if int(pos.min()) < 0:
-            raise IndexError(f"floater integrates forward from position 0 but got position {int(pos.min())}")
-        return x + self.table(int(pos.max()))[pos].to(x.dtype)  # [B, L, D]
+        span = position_range(pos)  # None in a compiled or recorded step: up to the training positions' bound
+        if span is not None and span[0] < 0:
+            raise IndexError(f"floater integrates forward from position 0 but got position {span[0]}")
+        top = span[1] if span is not None else self.dims.train_positions - 1
+        return x + self.table(top)[pos].to(x.dtype)  # [B, L, D]
