@@ -137,12 +137,14 @@ def test_a_compiled_mode_trains_on_cuda_to_the_uncompiled_losses(encoding, mode,
     assert losses[mode] == pytest.approx(losses["false"], rel=1e-3)
 
 
-@pytest.mark.parametrize("encoding", ["rope", "alibi", "cope", "drope"])
-def test_the_captured_step_trains_on_cuda_to_the_uncompiled_losses(encoding, tmp_path):
+@pytest.mark.parametrize("encoding,backend", [("rope", "auto"), ("alibi", "auto"), ("cope", "auto"), ("drope", "auto"),
+                                              ("cope", "fla"), ("kerple", "fla")])
+def test_the_captured_step_trains_on_cuda_to_the_uncompiled_losses(encoding, backend, tmp_path):
     """train.compile=capture: a CUDA graph per training length (uniform lengths: several shapes) and, for drope,
-    per phase (the drop at half the steps), replayed; the same losses as the uncompiled run on the GPU."""
-    common = ["debug=smoke", "device=cuda", f"encoding={encoding}", "model.d_model=32", "train.steps=30",
-              "eval.ratios=[1,2]", *(["encoding.drop_at=0.5"] if encoding == "drope" else [])]
+    per phase (the drop at half the steps), replayed; the same losses as the uncompiled run on the GPU. On fla,
+    posbench's CoPE and relative bias kernels (the bias rows over the training offsets: no read on the host)."""
+    common = ["debug=smoke", "device=cuda", f"encoding={encoding}", f"backend={backend}", "model.d_model=32",
+              "train.steps=30", "eval.ratios=[1,2]", *(["encoding.drop_at=0.5"] if encoding == "drope" else [])]
     rows = {}
     for compile_mode in ("false", "capture"):
         posbench(*common, f"train.compile={compile_mode}", f"hydra.run.dir={tmp_path / compile_mode}", timeout=300)
