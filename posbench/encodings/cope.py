@@ -76,7 +76,9 @@ class _Positional(torch.autograd.Function):
         ctx.save_for_backward(gates, index, weight, slope, q, k, e)
         ctx.used, ctx.scale, ctx.gates_from_logits = used, scale, gates_from_logits
         r = below.addcmul_(weight, slope)  # r / sqrt(d)
-        return r.add_(logits) if r.dtype == logits.dtype else logits + r.to(logits.dtype)
+        if r.dtype != logits.dtype or torch.compiler.is_compiling():  # torch 2.11's dynamo gives wrong gradients
+            return logits + r.to(logits.dtype)  # for an output changed in place: a new tensor in a graph
+        return r.add_(logits)
 
     @staticmethod
     @once_differentiable
