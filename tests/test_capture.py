@@ -96,12 +96,12 @@ def training_step_under_capture(model, ids, pos) -> None:
         optimizer.step()
 
 
-@pytest.mark.parametrize("backend", ["auto", "eager"])
 @pytest.mark.parametrize("case,causal", with_layouts(ENCODING_CASES))
-def test_every_encodings_training_step_reads_nothing_back_to_the_host(case, causal, backend):
+def test_every_encodings_training_step_reads_nothing_back_to_the_host(case, causal):
     """A CUDA graph cannot record a read back to the host: in graph_safe every hook takes its path that reads
-    none (floater, learned_2d, cope and the relative bias rows had one each), on auto's CPU backend and on eager."""
-    model = trained_looking_model(case, backend=backend, causal=causal).train()
+    none (floater, learned_2d, cope and the relative bias rows had one each), on auto's backend (eager for the
+    hooks sdpa cannot run)."""
+    model = trained_looking_model(case, backend="auto", causal=causal).train()
     ids = torch.randint(0, 11, (2, 24), generator=torch.Generator().manual_seed(0))
     training_step_under_capture(model, ids, positions_for(model.encoding, 24))
 
