@@ -19,8 +19,8 @@ D_MODEL, HEADS, HEAD, VOCAB = 16, 2, 8, 11
 
 def drawn_tape(backend="auto", seed=0, **params):
     """A float64 model whose state parameters are all non-zero, so every update acts."""
+    torch.manual_seed(seed)  # the encoding's initial values too, whatever ran before
     enc = make_encoding("tape", d_model=D_MODEL, n_heads=HEADS, **params).double()
-    torch.manual_seed(seed)
     model = Transformer(ModelConfig(vocab_size=VOCAB, d_model=D_MODEL, n_layers=2, n_heads=HEADS), enc,
                         get_backend(backend, enc)).double()
     with torch.no_grad():
