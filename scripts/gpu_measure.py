@@ -236,12 +236,15 @@ def measure_encodings(args, deadline: float, path: Path) -> list[dict]:
             # a child checks the deadline between lengths; one stuck in a step (a compile) is stopped at the
             # deadline or after CHILD_S, so that it cannot take the next encodings' time
             limit = max(5.0, min(deadline - time.time(), args.child_s))
-            try:
-                done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=limit)
-                stdout, why = done.stdout, f"failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}"[:300]
-            except subprocess.TimeoutExpired as late:
-                stdout, why = late.stdout or "", f"not measured: its process stopped after {limit:.0f} s"
-                stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
+            if time.time() >= deadline:  # no process started only to find the budget spent
+                stdout, why = "", "not measured: budget"
+            else:
+                try:
+                    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=limit)
+                    stdout, why = done.stdout, f"failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}"[:300]
+                except subprocess.TimeoutExpired as late:
+                    stdout, why = late.stdout or "", f"not measured: its process stopped after {limit:.0f} s"
+                    stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
             found = [json.loads(line[len(RESULT_MARK):]) for line in stdout.splitlines()
                      if line.startswith(RESULT_MARK)]
             planned = [(backend, t) for backend in backends.split(",") for t in tokens]  # the child's order
@@ -269,6 +272,9 @@ def measure_default_job(args, out_device: str, deadline: float, env: dict) -> li
     """The README's default job on this device, timed whole, in each --job-modes mode (train.compile)."""
     rows = []
     for mode in args.job_modes:
+        if time.time() >= deadline:
+            rows.append({"device": out_device, "compile": mode, "status": "not measured: budget"})
+            continue
         with tempfile.TemporaryDirectory() as folder:
             start = time.perf_counter()
             command = [sys.executable, "-m", "posbench", "encoding=rope", "task=copy", f"device={args.device}",
