@@ -318,7 +318,8 @@ def bias_by_offset(encoding: Encoding, q_pos: torch.Tensor, k_pos: torch.Tensor,
     else:
         high = encoding.dims.train_positions - 1
         low = -high
-        first, top = (torch.tensor(value, device=q_pos.device) for value in (low, high))
+        first, top = (torch.full((), value, dtype=q_pos.dtype, device=q_pos.device)  # a fill: no copy from the host
+                      for value in (low, high))
     offsets = torch.arange(low, high + 1, device=q_pos.device)  # i - j: [n]
     rows = encoding.bias(top.view(1, 1), (top - offsets)[None], layer)  # keys at top - offset: [1, H, 1, n]
     return (None if rows is None else rows[0, :, 0]), first, low
