@@ -88,11 +88,11 @@ class Floater(Encoding):
         # the dynamics' MLP, each a few small tensors and their nodes: measured ~56 kB a step at d_model 64)
         return shape.tokens * self.substeps * RK4_STEP_BYTES if shape.training and not layer else 0.0
 
-    @torch.compiler.disable  # run as it is inside a compiled model: unrolled, its steps would take minutes to compile
     def trajectory(self, top: int) -> torch.Tensor:
-        """p(k * delta) for k = 0..top: [top + 1, D]."""
-        return rk4_trajectory(self.dynamics, self.initial, self.delta / self.substeps, top * self.substeps,
-                              self.substeps)
+        """p(k * delta) for k = 0..top: [top + 1, D]. Inside a compiled model it runs as it is, outside the graph:
+        unrolled, its steps would take minutes to compile (disabled there only: the decorator imports dynamo)."""
+        integrate = torch.compiler.disable(rk4_trajectory) if torch.compiler.is_compiling() else rk4_trajectory
+        return integrate(self.dynamics, self.initial, self.delta / self.substeps, top * self.substeps, self.substeps)
 
     def table(self, top: int) -> torch.Tensor:
         """The trajectory up to at least position top: [>= top + 1, D]; cached when no gradient is needed."""
