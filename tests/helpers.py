@@ -6,7 +6,6 @@ import importlib.util
 import json
 import math
 import os
-import re
 import struct
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
+from packaging.version import Version
 
 from posbench.attention import get_backend
 from posbench.encodings import REGISTRY, Encoding, ModelDims
@@ -315,18 +315,14 @@ def interpreter_refusal() -> str | None:
     if NO_TRITON:
         return "triton is not installed (CUDA builds of torch ship it)"
     triton, numpy = importlib.metadata.version("triton"), importlib.metadata.version("numpy")
-    if version_tuple(triton) < (3, 7) and version_tuple(numpy) >= (2, 4):
+    if Version(triton).release < (3, 7) and Version(numpy).release >= (2, 4):
         return (f"Triton {triton}'s interpreter fails under numpy {numpy} (int() of a one-element array); "
                 "pip install 'numpy<2.4', or Triton 3.7 or later")
     return None
 
 
-def version_tuple(version: str) -> tuple[int, ...]:
-    """The leading numbers of a version: '3.6.0+git1' -> (3, 6, 0)."""
-    return tuple(int(part) for part in re.findall(r"^\d+(?:\.\d+)*", version)[0].split("."))
-
-
-needs_interpreter = pytest.mark.skipif(interpreter_refusal() is not None, reason=interpreter_refusal() or "")
+INTERPRETER_REFUSAL = interpreter_refusal()
+needs_interpreter = pytest.mark.skipif(INTERPRETER_REFUSAL is not None, reason=INTERPRETER_REFUSAL or "")
 
 # A model on backend=fla against the float64 eager model (tests/test_cuda.py's check), on the CPU: argv names the
 # cases, each checked with heads of 32 and 8 features; it prints "<case> <heads> matches" where the named kernel ran
