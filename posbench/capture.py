@@ -52,9 +52,9 @@ def capture_refusal(train_length: int, lengths: str) -> str | None:
     return None
 
 
-HOST_READS = {"aten._local_scalar_dense.default": "a value read on the host (.item(), int(), a tensor's truth)",
-              "aten.nonzero.default": "nonzero (an output sized by the data)",
-              "aten.masked_select.default": "masked_select (an output sized by the data)"}
+HOST_READS = {torch.ops.aten._local_scalar_dense.default: "a value read on the host (.item(), int(), a tensor's truth)",
+              torch.ops.aten.nonzero.default: "nonzero (an output sized by the data)",
+              torch.ops.aten.masked_select.default: "masked_select (an output sized by the data)"}
 PROJECT = Path(__file__).resolve().parent.parent
 
 
@@ -77,7 +77,7 @@ class HostReads(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        what = HOST_READS.get(str(func))
+        what = HOST_READS.get(func)
         if what is not None and not self.paused:
             ours = [frame for frame in traceback.extract_stack()
                     if frame.filename.startswith(str(PROJECT)) and not frame.filename.endswith("capture.py")]
