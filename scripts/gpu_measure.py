@@ -233,12 +233,12 @@ def measure_encodings(args, deadline: float, path: Path) -> list[dict]:
                        "--backends", backends, "--modes", mode, "--tokens", ",".join(map(str, tokens)),
                        "--device", args.device, "--deadline", str(deadline), "--threads", str(args.threads),
                        "--tokens-per-step", str(args.tokens_per_step)]
-            # a child checks the deadline between lengths; one stuck in a step (a compile) is stopped at the
-            # deadline or after CHILD_S, so that it cannot take the next encodings' time
-            limit = max(5.0, min(deadline - time.time(), args.child_s))
             if time.time() >= deadline:  # no process started only to find the budget spent
                 stdout, why = "", "not measured: budget"
             else:
+                # a child checks the deadline between lengths; one stuck in a step (a compile) is stopped at the
+                # deadline or after CHILD_S, so that it cannot take the next encodings' time
+                limit = max(5.0, min(deadline - time.time(), args.child_s))
                 try:
                     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=limit)
                     stdout, why = done.stdout, f"failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}"[:300]
