@@ -5,6 +5,7 @@ stays above the peak resident set measured here, within a small factor; the proc
 the setting at fault; allocation errors are told in the run's terms."""
 
 import csv
+import functools
 import importlib.util
 import json
 import os
@@ -180,6 +181,17 @@ def child_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 
 
+@functools.cache
+def mapped_at_start(field: str) -> int:
+    """Bytes a child holds under `field` (VmSize, VmData) once posbench.runner is imported: a CUDA build of torch
+    maps several GiB of libraries (3.1 GiB of a 4 GiB ulimit -v left under 2.10.0+cu128), so each limit below is
+    this much above the figure its test is about."""
+    done = subprocess.run([sys.executable, "-c", "import sys, posbench.runner; from posbench.memory import rss_kb;"
+                           " print(rss_kb(sys.argv[1]))", field], cwd=ROOT, capture_output=True, text=True,
+                          env=child_env(), check=True)
+    return int(done.stdout.split()[-1]) * 1024
+
+
 READ_LIMIT = """
 import json, sys
 from posbench import guard
@@ -193,12 +205,13 @@ print(json.dumps({"bytes": limit.bytes, "source": limit.source, "used": rss_kb(s
 @pytest.mark.parametrize("name,used_field", [("RLIMIT_AS", "VmSize"), ("RLIMIT_DATA", "VmData")])
 def test_a_process_limit_is_the_limit_when_it_is_the_smallest(name, used_field):
     """eval.memory_limit set far above it: the process limit still bounds what may be allocated."""
-    soft = 4 * GIB
+    soft = mapped_at_start(used_field) + 4 * GIB
     done = subprocess.run([sys.executable, "-c", READ_LIMIT, used_field, "eval.memory_limit=100000000"], cwd=ROOT,
                           capture_output=True, text=True, env=child_env(), preexec_fn=limited(name, soft))
     assert done.returncode == 0, done.stderr[-2000:]
     limit = json.loads(done.stdout.splitlines()[-1])
-    assert limit["source"].startswith(f"{name} (ulimit {'-v' if name == 'RLIMIT_AS' else '-d'}) 4.0 GiB less ")
+    flag = "-v" if name == "RLIMIT_AS" else "-d"
+    assert limit["source"].startswith(f"{name} (ulimit {flag}) {guard.gib(soft)} less ")
     assert "margin" in limit["source"] and "eval.memory_limit" not in limit["source"]
     left = soft - limit["used"]  # read a moment after the guard's reading: the same within a few MiB
     expected = left - max(guard.MARGIN_LEAST, guard.MARGIN_FRACTION * left)
@@ -236,10 +249,12 @@ def run_refused(tmp_path, *overrides, rlimit_as: int) -> tuple[str, int]:
 def test_a_length_past_ulimit_v_is_refused_before_training(tmp_path):
     """The issue's trial: ulimit -v, a ten-million length; eval.memory_limit far above, so that the process
     limit is the smallest on any machine."""
+    rlimit_as = mapped_at_start("VmSize") + 4 * GIB
     message, peak = run_refused(tmp_path, "eval.lengths=[10000000]", "eval.memory_limit=100000000",
-                                   rlimit_as=4 * GIB)
+                                   rlimit_as=rlimit_as)
     assert "refused: eval.lengths=[10000000]: 1 length cannot be evaluated" in message
-    assert "(RLIMIT_AS (ulimit -v) 4.0 GiB less" in message and "raise the process's limit (ulimit)" in message
+    assert f"(RLIMIT_AS (ulimit -v) {guard.gib(rlimit_as)} less" in message
+    assert "raise the process's limit (ulimit)" in message
     assert peak < REFUSAL_PEAK, peak
 
 
@@ -253,9 +268,10 @@ BAD_SIZES = [  # the issue's trials: each allocated 10-22 GB for 40-50 s before 
 
 @pytest.mark.parametrize("overrides,fault", BAD_SIZES)
 def test_a_bad_size_is_refused_at_once_naming_its_setting(tmp_path, overrides, fault):
-    """A 4 GiB budget (eval.memory_limit); ulimit -v 8 GiB only keeps this machine safe should the guard let
-    one through (it would then fail allocating, after building, not with this message)."""
-    message, peak = run_refused(tmp_path, *overrides, "eval.memory_limit=4096", rlimit_as=8 * GIB)
+    """A 4 GiB budget (eval.memory_limit); ulimit -v 8 GiB above the import's mapping only keeps this machine safe
+    should the guard let one through (it would then fail allocating, after building, not with this message)."""
+    message, peak = run_refused(tmp_path, *overrides, "eval.memory_limit=4096",
+                                rlimit_as=mapped_at_start("VmSize") + 8 * GIB)
     assert message.startswith(f"refused: {fault}: training would need about ")
     assert "over the memory limit 4.0 GiB (eval.memory_limit=4096 MiB)" in message
     assert f"lower {fault} or the other settings" in message and "nothing was allocated" in message
