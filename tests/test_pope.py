@@ -13,6 +13,7 @@ import torch
 
 from posbench.attention import get_backend
 from posbench.attention.flex import FlexBackend
+from posbench.encodings.pope import clamp_learning_at_bounds
 from posbench.model import ModelConfig, Transformer
 from tests.helpers import ROOT, assert_close_scaled, make_encoding, token_ids
 
@@ -147,6 +148,25 @@ def test_training_projects_delta_back_into_its_range():
     our_logits(enc, q, k, pos, pos, 0).sum().backward()
     assert torch.all(enc.delta.grad[0, 0] != 0)
 
+
+
+def test_zero_initialised_deltas_learn_from_the_first_step():
+    """The paper's language-model initialisation puts every delta at the range's upper bound, 0: each still gets a
+    gradient there (torch 2.14's clamp gives none at a bound, which would leave every delta at 0 for good)."""
+    enc = make_encoding("pope", causal=True, d_model=D_MODEL, n_heads=HEADS).double()
+    assert torch.all(enc.delta == 0)
+    q, k = qk(5, 5)
+    pos = torch.arange(5)[None]
+    our_logits(enc, q, k, pos, pos, 0).sum().backward()
+    assert torch.all(enc.delta.grad[0] != 0)
+
+
+@pytest.mark.parametrize("value,expected", [(-2 * math.pi, 1.0), (0.0, 1.0), (-1.0, 1.0), (0.5, 0.0), (-7.0, 0.0)])
+def test_the_clamps_gradient_is_one_inside_and_at_the_bounds_and_zero_beyond(value, expected):
+    x = torch.tensor(value, dtype=torch.float64, requires_grad=True)
+    clamped = clamp_learning_at_bounds(x, -2 * math.pi, 0.0)
+    clamped.backward()
+    assert clamped.item() == min(max(value, -2 * math.pi), 0.0) and x.grad.item() == expected
 
 def test_delta_initialisations():
     zero = make_encoding("pope")

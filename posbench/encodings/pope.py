@@ -5,7 +5,9 @@ the content and whose phase is the position: mu_c = softplus(x_c), phase t theta
 theta_c = base^(-(c-1)/d), c = 1..d (d frequencies over rope's range), and keys' phases also shifted
 by a learned delta_c per layer and head, kept in [-2 pi, 0]: clamped in the forward pass, and projected
 back into the range before every training step (a delta an update pushed out would otherwise sit at
-the bound with no gradient, and stop learning). A logit is
+the bound with no gradient, and stop learning). A delta at a bound learns (the zero initialisation
+starts every delta there): the clamp's gradient is 1 inside the range and at its bounds, 0 beyond
+(`clamp_learning_at_bounds`; torch 2.14's clamp gives 0 at a bound). A logit is
 Re sum_c conj(q~_tc) k~_sc = sum_c mu^q_c mu^k_c cos((s - t) theta_c + delta_c): relative, and
 bidirectional as it is. In real arithmetic qk returns q' = [mu^q cos(t theta), mu^q sin(t theta)] and
 k' = [mu^k cos(s theta + delta), mu^k sin(s theta + delta)], both 2d wide (v keeps d), and the logit
@@ -38,6 +40,12 @@ def polar(x: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
     compute = phases.dtype
     mu = F.softplus(x.to(compute))  # [B, H, L, d]
     return torch.cat((mu * phases.cos(), mu * phases.sin()), dim=-1).to(x.dtype)  # [B, H, L, 2d]
+
+
+def clamp_learning_at_bounds(x: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """x clamped to [low, high], its gradient passed inside the range and at its bounds, none beyond. Plain
+    clamp passed it at a bound up to torch 2.13; from 2.14 it passes none there (0.5 with tensor bounds)."""
+    return torch.where((x >= low) & (x <= high), x, x.detach().clamp(low, high))
 
 
 class PoPE(Encoding):
@@ -78,7 +86,7 @@ class PoPE(Encoding):
 
     def qk(self, q, k, q_pos, k_pos, layer):
         compute = torch.promote_types(q.dtype, torch.float32)
-        delta = self.delta[layer].clamp(-2 * math.pi, 0.0).to(compute)  # [H, d]
+        delta = clamp_learning_at_bounds(self.delta[layer], -2 * math.pi, 0.0).to(compute)  # [H, d]
         q = polar(q, self.phases(q_pos, compute))  # [B, H, Lq, 2d]
         k = polar(k, self.phases(k_pos, compute) + delta[:, None, :])  # [B, H, Lk, 2d]
         return q, k
