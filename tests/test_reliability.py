@@ -154,6 +154,17 @@ def test_a_bad_checkpoint_gets_a_clear_message(tmp_path, content):
     assert read_status(tmp_path / "from")["phase"] == "build"
 
 
+
+def saturated_colours(path, least_pixels: int = 30) -> set:
+    """The colours (not white, grey or black) that cover at least least_pixels pixels of a PNG."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.asarray(Image.open(path).convert("RGB"), dtype=int).reshape(-1, 3)  # [pixels, 3]
+    pixels = pixels[pixels.max(1) - pixels.min(1) > 60]  # grey levels (text, axes, anti-aliasing of them) left out
+    colours, counts = np.unique(pixels, axis=0, return_counts=True)
+    return {tuple(c) for c, n in zip(colours.tolist(), counts) if n >= least_pixels}
+
 def test_a_sweep_over_model_sizes_is_faceted_by_size_and_ranked_within_each(tmp_path):
     import pandas as pd
 
@@ -174,7 +185,8 @@ def test_a_sweep_over_model_sizes_is_faceted_by_size_and_ranked_within_each(tmp_
     assert set(headline["curve_label"]) == {"alibi", "learned", "nope"} and headline["runs"].tolist() == [2] * 6
     for _, part in headline.groupby("size"):  # 12 steps learn nothing: not ranked, 0 in the MRR
         assert len(part) == 3 and not part["learned"].any() and part["rank_in_task"].isna().all()
-    assert (out / "ood_vs_parameters.png").stat().st_size > 10_000
+    assert len(saturated_colours(out / "ood_vs_parameters.png")) >= 3  # one per encoding (a size in bytes varies
+    # with matplotlib's and zlib's versions: 9,415 bytes under Python 3.10's matplotlib 3.10, over 10,000 here)
     assert "OOD score against parameter count" in (out / "report.md").read_text()
     orderings = pd.read_csv(out / "orderings.csv")  # every pair, each compared at both sizes
     pairs = orderings[["first", "second"]].values.tolist()
