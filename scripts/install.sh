@@ -9,9 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
-found=$(python -c "import torch; print(torch.__version__)" 2>/dev/null || true)
-if [ -z "$found" ] || ! python -c "import torch, sys; sys.exit(torch.__version__ < '2.11')"; then
-    [ -z "$found" ] || echo "install.sh: torch $found is older than posbench's floor 2.11: installing torch==2.13.0"
+found=$(python -c "import torch; print(torch.__version__, torch.__version__ >= '2.11')" 2>/dev/null || true)
+if [ "${found#* }" != True ]; then  # none, or older than the floor
+    [ -z "$found" ] || echo "install.sh: torch ${found% *} is older than posbench's floor 2.11; installing 2.13.0"
     python -m pip install "torch==2.13.0"
 fi
 python -m pip install -e ".${extras:+[$extras]}"
