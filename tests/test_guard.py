@@ -146,7 +146,7 @@ cfg = compose_cfg("device=cpu", "train.steps=0", *overrides, f"eval.lengths=[{le
 built = build(cfg, torch.device("cpu"))
 evaluation.evaluate(built, 8, cfg.eval, torch.device("cpu"))  # the process's first-call costs, which a run's training
 # pays before its evaluation (cope at 64 tokens: a first evaluation's peak 12 MiB over the next's under Python 3.10,
-# 26 MiB under 3.13, which left it over the estimate)
+# 14-26 MiB under 3.13 on the same machine an hour apart; at 26 it was over the estimate)
 with evaluation.evaluation_peaks() as started:
     row = evaluation.evaluate(built, length, cfg.eval, torch.device("cpu"))
 print(json.dumps({"resettable": started[-1].resettable, "measured": (row["peak_mem_mb"] - started[-1].base) * 2**20,
