@@ -84,15 +84,16 @@ run)
                 tests/test_gpu_slots.py::test_two_concurrent_jobs_run_on_the_gpus_of_their_slots \
                 tests/test_cuda.py::test_a_seeds_gpu_run_trains_and_evaluates_on_the_cpu_runs_sequences \
                 tests/test_cuda.py::test_a_run_on_cuda_records_device_memory 2>&1 | tee "$OUT/tests.log" ;;
-        kernels)  # the eager frontier methods' kernels at their target's 1,024 tokens (0.5x nope), against auto's
-            # eager and nope in the same call: CoPE's and DAPE's (posbench's), stick-breaking's (fla-core's)
-            measure "${GPU_KERNELS_S:-70}" /tmp/gpu_kernels --parts encodings \
-                --encodings nope,cope,dape,stick_breaking --tokens 1024 --modes eager --backends fla ;;
+        kernels)  # the Triton kernels at 1,024 tokens, against auto's backend and nope in the same call: the eager
+            # frontier methods' (0.5x nope): CoPE's and DAPE's (posbench's), stick-breaking's (fla-core's); FIRE's
+            # and the relative bias's for t5 (posbench's; 0.7x)
+            measure "${GPU_KERNELS_S:-90}" /tmp/gpu_kernels --parts encodings \
+                --encodings nope,cope,dape,stick_breaking,fire,t5 --tokens 1024 --modes eager --backends fla ;;
         encodings)  # the issue's targets against nope (GPU_ENCODINGS; GPU_MEASURE_ARGS replaces the modes and backends).
             # Default: the rows not measured on an H100 on 2026-11-27 (kerple on sdpa, cope, dape, stick-breaking), and
             # alibi's and fox's sdpa rows again (their decay padded to heads of 24 since); fla for them, stick-breaking
             # and PaTH; eager
-            measure "${GPU_ENCODINGS_S:-130}" /tmp/gpu --parts encodings \
+            measure "${GPU_ENCODINGS_S:-110}" /tmp/gpu --parts encodings \
                 --encodings "${GPU_ENCODINGS:-nope,alibi,fox,kerple,cope,dape,stick_breaking,path}" \
                 ${GPU_MEASURE_ARGS:---modes eager --backends sdpa,fla} ;;
         reference)  # issue 38's encodings on CUDA's backends against the CPU's float64 model (never run on a GPU)

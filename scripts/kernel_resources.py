@@ -1,4 +1,4 @@
-"""posbench's own Triton kernels (CoPE's, DAPE's, the relative bias's) compiled for a CUDA architecture without a
+"""posbench's own Triton kernels (CoPE's, DAPE's, the relative bias's, FIRE's) compiled for a CUDA architecture without a
 GPU, with the block sizes and warps they launch with: what each thread holds (registers, spilled bytes) and each
 program's shared memory, from Triton's bundled ptxas. Spills mean local-memory traffic in the kernel's inner loop,
 so this is the check to run after changing a kernel's tiles.
@@ -28,7 +28,7 @@ INTEGERS = ("length", "rows", "bias_batch_stride", "heads", "n_rows", "first", "
 def kernels(head_dim: int, heads: int, width: int, dtype: str) -> list[tuple[str, object, dict, int, tuple]]:
     """(name, Triton function, its constexprs, warps, its pointers in the inputs' dtype) as posbench launches them in
     `dtype` (fp32 or bf16)."""
-    from posbench.attention import cope_kernel, dape_kernel, relative_bias_kernel
+    from posbench.attention import cope_kernel, dape_kernel, fire_kernel, relative_bias_kernel
 
     padded = max(16, 1 << (head_dim - 1).bit_length())
     ieee = dtype == "fp32"
@@ -50,6 +50,11 @@ def kernels(head_dim: int, heads: int, width: int, dtype: str) -> list[tuple[str
     found += [("relative bias forward", relative_bias_kernel._forward, relative, warps, INPUT_POINTERS),
               ("relative bias backward", relative_bias_kernel._backward, {**relative, "ROWS_GRAD": True}, warps,
                (*INPUT_POINTERS, "dk_ptr", "dv_ptr"))]
+    queries, keys, warps = fire_kernel.launch_tiles(padded)
+    fire = {"CAUSAL": True, "IEEE": ieee, "WIDTH": width, "D": head_dim, "DP": padded, "BM": queries, "BN": keys}
+    found += [("fire forward", fire_kernel._forward, fire, warps, INPUT_POINTERS),
+              ("fire backward", fire_kernel._backward,
+               {**fire, "PARAMS_GRAD": True, "WP": 1 << width.bit_length()}, warps, (*INPUT_POINTERS, "dk_ptr", "dv_ptr"))]
     return found
 
 
@@ -87,11 +92,11 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90, help="compute capability times 10 (90: H100, H200)")
     parser.add_argument("--head-dim", type=int, default=16, help="features per head (model=small: 16)")
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--width", type=int, default=32, help="DAPE's network width (its default)")
+    parser.add_argument("--width", type=int, default=32, help="DAPE's and FIRE's MLP width (their default)")
     args = parser.parse_args()
     import triton
 
-    print(f"sm_{args.arch}, heads of {args.head_dim} features, {args.heads} heads, DAPE width {args.width}, "
+    print(f"sm_{args.arch}, heads of {args.head_dim} features, {args.heads} heads, MLP width {args.width}, "
           f"triton {triton.__version__}")
     print("| kernel | inputs | warps | registers | spill stores (B) | spill loads (B) | shared memory (B) |")
     print("|---|---|---:|---:|---:|---:|---:|")

@@ -69,10 +69,11 @@ def test_fla_gives_the_cpu_reference(name, heads, monkeypatch):
 
 @pytest.mark.parametrize("heads", [1, 2, 4])  # heads of 32, 16 and 8 features
 @pytest.mark.parametrize("name", ["cope", "composite:cope+rope", "dape", "dape?base=alibi", "dape?base=rope", "kerple",
-                                  "t5", "sandwich", "composite:kerple+rope", "schedule?pattern=[t5,rope]"])
+                                  "t5", "sandwich", "composite:kerple+rope", "schedule?pattern=[t5,rope]", "fire",
+                                  "composite:fire+rope"])
 def test_posbenchs_kernels_give_the_cpu_reference(name, heads):
-    """backend=fla runs CoPE, DAPE v1 and a bias of i - j alone on posbench's own Triton kernels
-    (posbench.attention.cope_kernel, dape_kernel, relative_bias_kernel): Triton alone."""
+    """backend=fla runs CoPE, DAPE v1, a bias of i - j alone and FIRE on posbench's own Triton kernels
+    (posbench.attention.cope_kernel, dape_kernel, relative_bias_kernel, fire_kernel): Triton alone."""
     compare_with_the_cpu_reference(name, True, heads, backend="fla")
 
 

@@ -172,8 +172,8 @@ def test_fla_is_refused_where_it_cannot_run(monkeypatch):
     assert "pip install 'posbench[fla]'" in fla.fla_refusal(True)
     with pytest.raises(ValueError, match=r"cannot run the \['bias'\] hook.*backends that can: \['sdpa', 'flex', "
                                          r"'eager'\]"):
-        fire = make_encoding("fire", d_model=32)  # a bias of i and j, not of i - j alone
-        get_backend("fla", fire).check(fire)
+        fire_t5 = make_encoding("composite", d_model=32, parts=["fire", "t5"])  # two biases: FIRE's kernel takes
+        get_backend("fla", fire_t5).check(fire_t5)  # FIRE's alone, the relative one a bias of i - j alone
     dape_v2 = make_encoding("dape", d_model=32, version=2)  # a logit transform with no kernel (v1 has one)
     with pytest.raises(ValueError, match=r"backend=fla cannot run the \['logit_transform'\] hook"):
         get_backend("fla", dape_v2).check(dape_v2)
@@ -268,5 +268,5 @@ def test_refusals_list_fla_exactly_where_it_runs_the_encoding():
              make_encoding("kerple", d_model=32, causal=False)]  # fla runs causal models only
     for encoding in cases:
         assert ("fla" in backends_that_run(encoding)) == runs(encoding), encoding.name
-    assert all(runs(single[name]) for name in ("cope", "dape", "stick_breaking", "path", "kerple", "t5", "fox"))
-    assert not any(runs(single[name]) for name in ("fire", "urpe", "shaw"))
+    assert all(runs(single[name]) for name in ("cope", "dape", "stick_breaking", "path", "kerple", "t5", "fox", "fire"))
+    assert not any(runs(single[name]) for name in ("urpe", "shaw"))

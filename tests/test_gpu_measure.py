@@ -114,9 +114,10 @@ def test_the_plan_measures_a_bias_or_decay_on_the_named_backends_only():
     every = {name: backends for name, _, backends in module.encoding_plan(["cope", "alibi"])}
     assert every == {"nope": "auto", "alibi": "auto,sdpa,flex,eager", "cope": "auto"}  # nope first, targets next
     named = {name: backends for name, _, backends in module.encoding_plan(
-        ["cope", "alibi", "t5", "stick_breaking", "path"], ["sdpa", "fla"])}
-    assert named == {"nope": "auto", "alibi": "auto,sdpa,fla", "t5": "auto,sdpa,fla", "cope": "auto,fla",
-                     "stick_breaking": "auto,fla", "path": "auto,fla"}  # fla: a decay, a bias of i - j or a kernel
+        ["cope", "alibi", "t5", "fire", "stick_breaking", "path"], ["sdpa", "fla"])}
+    assert named == {"nope": "auto", "alibi": "auto,sdpa,fla", "t5": "auto,sdpa,fla", "fire": "auto,sdpa,fla",
+                     "cope": "auto,fla", "stick_breaking": "auto,fla",
+                     "path": "auto,fla"}  # fla: a decay, a bias of i - j or FIRE's, or a kernel
     refused = subprocess.run([sys.executable, str(SCRIPT), "--backends", "sdpa,triton"], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "--backends: unknown ['triton']" in refused.stderr

@@ -12,7 +12,8 @@ SCRIPT = ROOT / "scripts" / "kernel_resources.py"
 
 
 @pytest.mark.skipif(NO_TRITON, reason="triton is not installed (CUDA builds of torch ship it)")
-@pytest.mark.parametrize("name", ["cope backward", "dape backward (a bias)", "relative bias backward"])
+@pytest.mark.parametrize("name", ["cope backward", "dape backward (a bias)", "relative bias backward",
+                                  "fire backward"])
 def test_the_backward_kernels_compile_for_sm_90_in_bf16(name):
     spec = importlib.util.spec_from_file_location("kernel_resources", SCRIPT)
     module = importlib.util.module_from_spec(spec)

@@ -94,7 +94,7 @@ def test_a_bias_of_i_minus_j_alone_runs_on_the_kernel(case):
 
 
 @pytest.mark.parametrize("case,why", [
-    ("fire", "a bias of i and j"),
+    ("composite:fire+t5", "a bias of i and j beside it (FIRE's kernel takes FIRE's alone)"),
     ("composite:kerple+fox", "beside a decay: the decay's kernel takes no bias"),
     ("composite:cope+kerple", "beside another kernel"),
 ])

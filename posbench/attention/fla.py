@@ -15,6 +15,8 @@ whatever its length.
 - A bias of i - j alone (kerple, t5, sandwich; beside a rotation too): posbench's kernel looks each pair's bias up
   in the encoding's bias per offset, [H, 2L - 1] (posbench.attention.relative_bias_kernel); a learned bias gets
   its gradient through those rows.
+- FIRE's bias (alone or beside a rotation): posbench's kernel computes FIRE's MLP of each pair's normalised distance
+  in the tile (posbench.attention.fire_kernel).
 
 It takes causal calls with no sliding window, whose queries are its keys: a call with a memory before its queries
 (segment recurrence) runs on sdpa (a decay or a bias) or eager. Other hooks that need logits (a bias of more than
@@ -29,7 +31,7 @@ import torch
 
 from posbench.attention.backend import Backend, backends_that_run, suggested
 from posbench.attention.eager import EagerBackend
-from posbench.attention.fla_hooks import fla_missing_hooks
+from posbench.attention.fla_hooks import fire_part, fla_missing_hooks
 from posbench.attention.sdpa import SdpaBackend
 from posbench.encodings.base import bias_by_offset
 from posbench.encodings.dape import BIASED
@@ -107,6 +109,13 @@ def relative_bias_attention(q, k, v, rows, q_pos, k_pos, first: int, scale: floa
     return kernel(q, k, v, rows, q_pos, k_pos, first, scale, True)
 
 
+def fire_attention(q, k, v, distances, normalisers, w1, b1, w2, b2, q_pos, k_pos, scale: float) -> torch.Tensor:
+    """posbench's kernel for FIRE's bias (posbench.attention.fire_kernel), causal, imported at its first call."""
+    from posbench.attention.fire_kernel import fire_attention as kernel
+
+    return kernel(q, k, v, distances, normalisers, w1, b1, w2, b2, q_pos, k_pos, scale, True)
+
+
 PATH_HEAD_SIZES = (16, 32, 64, 128)  # fla-core's PaTH kernel
 
 
@@ -127,6 +136,9 @@ class FlaBackend(Backend):
     takes_bias = False  # one call over every query: the kernel bounds its own memory
     kernel_attention = True
     runs_windows = False
+
+    def runs_kernel_of(self, encoding) -> bool:
+        return bool(encoding.fla_kernel) or fire_part(encoding) is not None
 
     def check(self, encoding) -> None:
         missing = fla_missing_hooks(encoding)
@@ -153,6 +165,9 @@ class FlaBackend(Backend):
         owner = kernel_owner(encoding)
         if encoding.fla_kernel == "cope":
             return cope_attention(q, k, v, owner.scaled_table(call.layer, k.shape[-2]), scale, True)  # [B, H, L, d]
+        if (fire := fire_part(encoding)) is not None:
+            inputs = fire.kernel_inputs(call.q_pos, call.k_pos, call.layer)
+            return fire_attention(q, k, v, *inputs, call.q_pos, call.k_pos, scale)  # [B, H, L, d]
         if "bias" in encoding.hooks:
             rows, _, first = bias_by_offset(encoding, call.q_pos, call.k_pos, call.layer)  # [H, n]
             if rows is None:  # a schedule's layer without a bias: plain attention

@@ -8,14 +8,23 @@ KERNEL_HOOKS = {"stick_breaking": "normalize", "path": "logit_transform", "cope"
                 "dape": "logit_transform"}  # Encoding.fla_kernel -> the hook it runs
 
 
+def fire_part(encoding):
+    """The part of `encoding` (an instance or its class) whose bias FIRE's kernel computes (Encoding.bias_kernel):
+    the encoding itself, or a composite's only part with a bias; None where another bias is there or none is."""
+    parts = [encoding] if isinstance(encoding, type) or not hasattr(encoding, "parts") else [
+        part for part in encoding.parts if "bias" in part.hooks]
+    return parts[0] if len(parts) == 1 and parts[0].bias_kernel == "fire" else None
+
+
 def fla_missing_hooks(encoding) -> set[str]:
     """The hooks of `encoding` (an instance or its class) that backend=fla cannot run: empty where it runs it."""
     hooks = set(encoding.hooks) - {"embed"} - backend_hooks(FLA)
     kernel = encoding.fla_kernel
     relative = encoding.relative if isinstance(encoding, type) else encoding.bias_relative
-    if "bias" in encoding.hooks and (kernel or "decay" in encoding.hooks or not relative
-                                     or encoding.position_dims != 1):
-        hooks.add("bias")  # the bias kernel takes a bias of i - j alone, on 1-D positions, beside no other kernel
+    if "bias" in encoding.hooks and (kernel or "decay" in encoding.hooks or encoding.position_dims != 1
+                                     or not (relative or fire_part(encoding))):
+        hooks.add("bias")  # the bias kernels take a bias of i - j alone or FIRE's, on 1-D positions, beside no other
+        # kernel
     if kernel == "path" or (kernel and "decay" not in encoding.hooks):  # of the kernels, PaTH's alone takes a decay
         others = [part for part in getattr(encoding, "parts", ()) if not part.fla_kernel]
         if not any(KERNEL_HOOKS[kernel] in part.hooks for part in others):  # a part's hook the kernel would skip

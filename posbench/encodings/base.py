@@ -111,6 +111,9 @@ class Encoding(nn.Module):
     # the fla-core kernel whose attention its logit hook is (stick_breaking: normalize; path: logit_transform), which
     # backend=fla runs whole (posbench.attention.fla)
     fla_kernel: str = ""
+    # posbench's kernel that computes its bias in the tiles where backend=fla runs it ("fire":
+    # posbench.attention.fire_kernel); a bias of i - j alone (bias_relative) takes the relative bias kernel instead
+    bias_kernel: str = ""
 
     def __init__(self, dims: ModelDims):
         super().__init__()

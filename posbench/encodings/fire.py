@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from posbench.checks import Flag, Integer, Real
-from posbench.encodings.base import Encoding, LayerShape, ModelDims, relative_distance, score_positions
+from posbench.encodings.base import (Encoding, LayerShape, ModelDims, host_reads_allowed, relative_distance,
+                                     score_positions)
 
 NORMALISER_EPS = 1e-6
 
@@ -69,6 +70,7 @@ class FIRE(Encoding):
     hooks = frozenset({"bias"})
     flex_trains = False  # its MLP unrolled in the score_mod indexes each weight once per unit
     relative = False  # the normaliser depends on the query position i (see the module docstring)
+    bias_kernel = "fire"  # backend=fla computes its bias in the tiles (posbench.attention.fire_kernel)
 
     def __init__(self, dims: ModelDims, mlp_width: int = 32, init_c: float = 0.1,
                  init_threshold: float | None = None, share_layers: bool = False):
@@ -96,6 +98,27 @@ class FIRE(Encoding):
         if not shape.training or (self.bias_layers_shared and layer):
             return 0.0
         return shape.bias_bytes(3.25)
+
+    def kernel_memory(self, layer: int, shape: LayerShape) -> float:
+        # training: the kernel's gradient rows per sequence and head, by distance and by query (float32)
+        return 4.0 * shape.batch * shape.heads * (shape.keys + shape.tokens) if shape.training else 0.0
+
+    def kernel_inputs(self, q_pos, k_pos, layer):
+        """What FIRE's kernel reads (posbench.attention.fire_kernel): log(1 + c d) at every distance d the positions
+        [B', Lq], [B', Lk] span ([n]; where no host read is allowed, every distance of the training positions), each
+        query's 1 / psi(max(i, L)) [B', Lq], and the MLP's weights: w1, b1 [W], w2 [H, W], b2 [H]."""
+        copy = 0 if self.share_layers else layer
+        c = self.c[copy].abs()
+        threshold = (self.threshold_scale[copy] * self.init_threshold).abs()
+        if host_reads_allowed():
+            spans = torch.stack([q_pos.max() - k_pos.min(), k_pos.max() - q_pos.min()])
+            farthest = max(spans.tolist())  # one read on the host
+        else:
+            farthest = self.dims.train_positions - 1
+        distances = torch.log1p(c * torch.arange(max(farthest, 0) + 1, device=q_pos.device, dtype=c.dtype))  # [n]
+        normalisers = 1 / (torch.log1p(c * torch.maximum(q_pos.to(c.dtype), threshold)) + NORMALISER_EPS)  # [B', Lq]
+        hidden, out = self.mlps[copy][0], self.mlps[copy][2]
+        return distances, normalisers, hidden.weight[:, 0], hidden.bias, out.weight, out.bias
 
     def bias(self, q_pos, k_pos, layer):
         copy = 0 if self.share_layers else layer
