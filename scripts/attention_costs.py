@@ -113,7 +113,8 @@ def parts(encoding, tokens: int, batch: int, device, backends: list[str]) -> dic
         found["bias alone"] = lambda: built_bias().backward(grad_bias)
     if encoding.name == "fire":
         def dense_bias():
-            with mock.patch.object(fire, "piecewise_linear_mlp", lambda mlp, values: mlp(values[..., None])):
+            with mock.patch.object(fire, "piecewise_linear_mlp",
+                                   lambda mlp, values: mlp(values[..., None]).movedim(-1, 0)):
                 built_bias().backward(grad_bias)
 
         def histogram_bias():
@@ -169,16 +170,16 @@ class SegmentRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, table, segment):
         ctx.save_for_backward(segment)
-        ctx.rows = table.shape[0]
-        return table.index_select(0, segment)  # [N, H]
+        ctx.segments = table.shape[1]
+        return table.index_select(1, segment)  # [H, N]
 
     @staticmethod
     def backward(ctx, grad):
         segment, = ctx.saved_tensors
-        heads = grad.shape[1]
-        bins = (segment[:, None] * heads + torch.arange(heads, device=grad.device)).reshape(-1)  # [N H]
-        sums = torch.bincount(bins, weights=grad.reshape(-1), minlength=ctx.rows * heads)  # [S H]
-        return sums.view(ctx.rows, heads).to(grad.dtype), None
+        heads = grad.shape[0]
+        bins = (torch.arange(heads, device=grad.device)[:, None] * ctx.segments + segment).reshape(-1)  # [H N]
+        sums = torch.bincount(bins, weights=grad.reshape(-1), minlength=heads * ctx.segments)  # [H S]
+        return sums.view(heads, ctx.segments).to(grad.dtype), None
 
 
 def measure(encoding_name: str, tokens: int, tokens_per_step: int, device, device_label: str,

@@ -199,7 +199,7 @@ def test_fire_piecewise_linear_mlp_is_the_mlp():
     with torch.no_grad():
         mlp[0].weight[0, 0], mlp[0].weight[1, 0], mlp[0].bias[1] = 0.0, 0.0, -1.0
     x = (torch.rand(2, 9, 9, dtype=torch.float64) * 4 - 1).requires_grad_()
-    expected, got = mlp(x[..., None]), piecewise_linear_mlp(mlp, x)
+    expected, got = mlp(x[..., None]).movedim(-1, 0), piecewise_linear_mlp(mlp, x)  # heads first
     assert_close_scaled(got, expected, rtol=1e-12)
     grad = torch.randn_like(expected)
     inputs = [x, *mlp.parameters()]

@@ -38,7 +38,8 @@ def piecewise_linear_mlp(mlp: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     search and reads them, so no [..., width] hidden layer is formed (4-8x less work than the MLP
     on [L, L] inputs). The same function, and gradients for every weight (a hidden unit counts as
     on or off by its value at the segment's middle, as ReLU's derivative does between breakpoints).
-    x: [...] -> [..., H]."""
+    Heads first, so that a bias [1, H, Lq, Lk] comes out contiguous (a [Lq, Lk, H] one permuted cost its
+    attention a transposing copy). x: [...] -> [H, ...]."""
     hidden, out = mlp[0], mlp[2]
     w, b = hidden.weight[:, 0], hidden.bias  # [width], [width]
     flat = w == 0  # a unit with w = 0 has no breakpoint: on or off everywhere
@@ -52,17 +53,18 @@ def piecewise_linear_mlp(mlp: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     edges = torch.cat([breaks[:1] - 1, breaks, breaks[-1:] + 1])  # [width + 2]
     middles = (edges[:-1] + edges[1:]) / 2  # one point inside each of the width + 1 segments: [S]
     on = (middles[:, None] * w + b > 0).to(w.dtype)  # [S, width]
-    slope = (on * w) @ out.weight.T  # [S, H]
-    intercept = (on * b) @ out.weight.T + out.bias  # [S, H]
+    slope = out.weight @ (on * w).T  # [H, S]
+    intercept = out.weight @ (on * b).T + out.bias[:, None]  # [H, S]
     segment = torch.searchsorted(breaks.contiguous(), x.detach().contiguous(), right=True).reshape(-1)  # [N]
-    return (segment_rows(slope, segment) * x.reshape(-1, 1) + segment_rows(intercept, segment)).view(*x.shape, -1)
+    lookup = torch.addcmul(segment_rows(intercept, segment), segment_rows(slope, segment), x.reshape(1, -1))
+    return lookup.view(-1, *x.shape)  # [H, ...]
 
 
 def segment_rows(table: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
-    """table [S, H] read at each input's segment [N] -> [N, H]. By gather, whose backward scatter-adds: indexing's
+    """table [H, S] read at each input's segment [N] -> [H, N]. By gather, whose backward scatter-adds: indexing's
     summed each segment's repeats one by one on CUDA (an H100 trained fire at 0.03x nope's tokens/s at 1,025
     tokens); on the CPU gather is faster too. scripts/attention_costs.py times another backward against it."""
-    return table.gather(0, segment[:, None].expand(-1, table.shape[1]))  # [N, H]
+    return table.gather(1, segment[None].expand(table.shape[0], -1))  # [H, N]
 
 
 class FIRE(Encoding):
@@ -127,7 +129,7 @@ class FIRE(Encoding):
         distance = relative_distance(q_pos, k_pos).abs().to(c.dtype)  # [B', Lq, Lk]
         normaliser = torch.log1p(c * torch.maximum(q_pos.to(c.dtype), threshold)) + NORMALISER_EPS  # [B', Lq]
         normalised = torch.log1p(c * distance) / normaliser[:, :, None]  # [B', Lq, Lk]
-        return piecewise_linear_mlp(self.mlps[copy], normalised).permute(0, 3, 1, 2)  # [B', H, Lq, Lk]
+        return piecewise_linear_mlp(self.mlps[copy], normalised).transpose(0, 1)  # [B', H, Lq, Lk]
 
     def score_mod(self, q_pos, k_pos, layer):
         copy = 0 if self.share_layers else layer
