@@ -217,18 +217,21 @@ def quickstart() -> str:
 
 
 def default_job_seeds() -> str:
-    """Exact match at N of the default job, seeds x CPU kernel settings (scripts/default_job_seeds.py)."""
+    """Exact match at N of the default job, CPUs x seeds x CPU kernel settings (scripts/default_job_seeds.py)."""
     rows = list(csv.DictReader((REFERENCE / "default_job_seeds.csv").open()))
     seeds = sorted({int(r["seed"]) for r in rows})
     cells: dict = {}
     for r in rows:
         schedule = "3,500 steps (the default)" if not r["overrides"] else f"`{r['overrides']}`"
-        cells.setdefault((schedule, f"`{r['setting']}`"), {})[int(r["seed"])] = num(float(r["exact_match_at_n"]))
-    settings = [f"`{name}`" for name in dict.fromkeys(r["setting"] for r in rows)]  # the file's order
-    order = sorted(cells, key=lambda k: (k[0] != "3,500 steps (the default)", k[0], settings.index(k[1])))
-    return table(["schedule", "CPU kernels", *(f"seed {s}" for s in seeds)],
+        key = (r["cpu"], schedule, f"`{r['setting']}`")
+        cells.setdefault(key, {})[int(r["seed"])] = num(float(r["exact_match_at_n"]))
+    cpus = list(dict.fromkeys(r["cpu"] for r in rows))  # the file's order
+    settings = [f"`{name}`" for name in dict.fromkeys(r["setting"] for r in rows)]
+    order = sorted(cells, key=lambda k: (cpus.index(k[0]), k[1] != "3,500 steps (the default)", k[1],
+                                         settings.index(k[2])))
+    return table(["CPU", "schedule", "CPU kernels", *(f"seed {s}" for s in seeds)],
                  [[*k, *(cells[k].get(s, "") for s in seeds)] for k in order],
-                 ["---", "---"] + ["---:"] * len(seeds))
+                 ["---", "---", "---"] + ["---:"] * len(seeds))
 
 
 def catalogue_copy() -> str:
