@@ -47,7 +47,9 @@ run)
         timeout $(( budget + 30 )) python3 scripts/gpu_measure.py --budget-s "$budget" --out "$folder" "$@" \
             2>&1 | tee -a "$OUT/measure.log"; keep; }
     # GPU_PARTS, in order (default: job startup tests kernels encodings costs, about 560 s, the issue's unmeasured
-    # targets first; a second call: GPU_PARTS="sweep reference"; probe and profile on request)
+    # targets first; a second call: GPU_PARTS="sweep reference"; a third, the bias methods' kernels at every length:
+    # GPU_PARTS=encodings GPU_ENCODINGS=nope,t5,fire,sandwich,kerple GPU_ENCODINGS_S=500; probe and profile on
+    # request)
     for part in ${GPU_PARTS:-job startup tests kernels encodings costs}; do
         case "$part" in
         job)  # the README's default job (GPU_JOB_MODES: eager and graphs were measured on an H100 on 2026-11-27;
