@@ -146,3 +146,20 @@ def test_positions_and_normalisers_of_other_shapes_are_refused():
     with pytest.raises(ValueError, match=r"alike, \[B', L\]; got \[2, 4\], \[2, 4\] and \[1, 4\]"):
         fire_attention(q, q, q, torch.zeros(4), torch.ones(1, 4), w, w, torch.zeros(1, 3), torch.zeros(1), positions,
                        positions, 0.25, True)
+
+
+def test_the_kernel_inputs_of_a_recorded_step_cover_the_training_distances_with_the_same_values():
+    """kernel_inputs reads the positions' largest distance on the host; in graph_safe (a recorded or compiled step)
+    it takes every distance the training positions allow instead (ModelDims.train_positions): the same log(1 + c d)
+    at each distance the positions span, the same normalisers and weights."""
+    from posbench.encodings.base import graph_safe
+
+    encoding = make_case("fire", d_model=32, n_heads=2, max_positions=64)
+    q_pos = torch.tensor([[5, 9, 20]])
+    read = encoding.kernel_inputs(q_pos, q_pos, 0)  # distances 0 .. 15
+    with graph_safe():
+        bounded = encoding.kernel_inputs(q_pos, q_pos, 0)  # distances 0 .. 63
+    assert read[0].shape == (16,) and bounded[0].shape == (64,)
+    assert torch.equal(bounded[0][:16], read[0])
+    for a, b in zip(read[1:], bounded[1:]):
+        assert torch.equal(a, b)
