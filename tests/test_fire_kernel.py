@@ -107,16 +107,19 @@ def test_the_kernel_through_tritons_interpreter_gives_the_formula_and_its_gradie
 @needs_interpreter
 def test_a_model_on_the_kernel_gives_the_float64_eager_model():
     """Logits within 1e-4 and each gradient within 0.5% of the float64 eager model's (tests/test_cuda.py's check),
-    c, the threshold's scale and the MLP's weights among them: FIRE alone and beside a rotation."""
-    assert_kernel_models_match("fire_attention", ["fire?mlp_width=8",  # 8 hidden units: the interpreter's time
-                                                  "composite:fire+rope?part_params={fire: {mlp_width: 8}}"])
+    c, the threshold's scale and the MLP's weights among them: FIRE alone, beside a rotation, and in a schedule's
+    first layer (its second, t5's, runs on the relative bias kernel)."""
+    assert_kernel_models_match("fire_attention", [
+        "fire?mlp_width=8",  # 8 hidden units: the interpreter's time
+        "composite:fire+rope?part_params={fire: {mlp_width: 8}}",
+        "schedule?pattern=[f,t5]&kinds={f: {encoding: fire, mlp_width: 8}}"])  # layer 2 on the relative bias kernel
 
 
-@pytest.mark.parametrize("case", ["fire", "composite:fire+rope", "fire?share_layers=true"])
-def test_fire_alone_or_beside_a_rotation_runs_on_the_kernel(case):
+@pytest.mark.parametrize("case", ["fire", "composite:fire+rope", "fire?share_layers=true", "schedule?pattern=[fire,t5]",
+                                  "schedule?pattern=[fire,rope]"])
+def test_fire_alone_beside_a_rotation_or_in_a_schedule_runs_on_the_kernels(case):
     encoding = make_case(case, d_model=32, n_heads=2)
     fla.FlaBackend().check(encoding)
-    assert fla.FlaBackend().runs_kernel_of(encoding)
 
 
 def test_fire_beside_another_bias_is_refused():
@@ -132,6 +135,8 @@ def test_the_guard_counts_the_kernels_gradient_rows_not_a_bias():
     from posbench.encodings.base import LayerShape
 
     encoding = make_case("fire", d_model=32, n_heads=2)
+    assert fla.FlaBackend().runs_kernel_of(encoding)
+    assert fla.FlaBackend().runs_kernel_of(make_case("composite:fire+rope", d_model=32, n_heads=2))
     training = LayerShape(batch=8, heads=2, tokens=1024, keys=1024, block=None, pairs=0.0, training=True)
     assert encoding.kernel_memory(0, training) == 4 * 8 * 2 * 2048
     assert encoding.kernel_memory(0, LayerShape(8, 2, 1024, 1024, None, 0.0, training=False)) == 0

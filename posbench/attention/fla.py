@@ -15,8 +15,8 @@ whatever its length.
 - A bias of i - j alone (kerple, t5, sandwich; beside a rotation too): posbench's kernel looks each pair's bias up
   in the encoding's bias per offset, [H, 2L - 1] (posbench.attention.relative_bias_kernel); a learned bias gets
   its gradient through those rows.
-- FIRE's bias (alone or beside a rotation): posbench's kernel computes FIRE's MLP of each pair's normalised distance
-  in the tile (posbench.attention.fire_kernel).
+- FIRE's bias (alone, beside a rotation, or a schedule's layer): posbench's kernel computes FIRE's MLP of each pair's
+  normalised distance in the tile (posbench.attention.fire_kernel).
 
 It takes causal calls with no sliding window, whose queries are its keys: a call with a memory before its queries
 (segment recurrence) runs on sdpa (a decay or a bias) or eager. Other hooks that need logits (a bias of more than
@@ -165,7 +165,7 @@ class FlaBackend(Backend):
         owner = kernel_owner(encoding)
         if encoding.fla_kernel == "cope":
             return cope_attention(q, k, v, owner.scaled_table(call.layer, k.shape[-2]), scale, True)  # [B, H, L, d]
-        if (fire := fire_part(encoding)) is not None:
+        if (fire := fire_part(encoding.at(call.layer) if hasattr(encoding, "at") else encoding)) is not None:
             inputs = fire.kernel_inputs(call.q_pos, call.k_pos, call.layer)
             return fire_attention(q, k, v, *inputs, call.q_pos, call.k_pos, scale)  # [B, H, L, d]
         if "bias" in encoding.hooks:

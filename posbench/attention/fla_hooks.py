@@ -16,13 +16,22 @@ def fire_part(encoding):
     return parts[0] if len(parts) == 1 and parts[0].bias_kernel == "fire" else None
 
 
+def bias_kernels_take(encoding) -> bool:
+    """Whether posbench's bias kernels take the bias of `encoding` (an instance or its class): a bias of i - j alone
+    (the relative bias kernel) or FIRE's (its own kernel), in every layer of a schedule."""
+    entries = None if isinstance(encoding, type) else getattr(encoding, "entries", None)
+    if entries is not None:  # a schedule: each layer's encoding on its own
+        return all(bias_kernels_take(entry) for entry in entries.values() if "bias" in entry.hooks)
+    relative = encoding.relative if isinstance(encoding, type) else encoding.bias_relative
+    return relative or fire_part(encoding) is not None
+
+
 def fla_missing_hooks(encoding) -> set[str]:
     """The hooks of `encoding` (an instance or its class) that backend=fla cannot run: empty where it runs it."""
     hooks = set(encoding.hooks) - {"embed"} - backend_hooks(FLA)
     kernel = encoding.fla_kernel
-    relative = encoding.relative if isinstance(encoding, type) else encoding.bias_relative
     if "bias" in encoding.hooks and (kernel or "decay" in encoding.hooks or encoding.position_dims != 1
-                                     or not (relative or fire_part(encoding))):
+                                     or not bias_kernels_take(encoding)):
         hooks.add("bias")  # the bias kernels take a bias of i - j alone or FIRE's, on 1-D positions, beside no other
         # kernel
     if kernel == "path" or (kernel and "decay" not in encoding.hooks):  # of the kernels, PaTH's alone takes a decay
