@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from posbench.attention.triton_products import INTERPRETED_BLOCKS, dot, head_launch, interpreted, tl, triton
+from posbench.attention.triton_products import (INTERPRETED_BLOCKS, head_launch, interpreted, softmax_block,
+                                               softmax_block_grads, store_rows, tl, triton)
 
 
 def tiles(head_dim: int) -> tuple[int, int, int]:
@@ -73,18 +74,9 @@ if triton is not None:
             v = tl.load(v_ptr + rows_n, mask=in_n[:, None] & in_d[None, :], other=0.0)  # [BN, DP]
             bias, seen, _, _ = _bias(rows_ptr, qpos_ptr, kpos_ptr, head, pos_at, n_rows, first, offs_m, offs_n,
                                      in_m, in_n, CAUSAL)
-            logits = tl.where(seen, dot(q, tl.trans(k), IEEE) * scale + bias, float("-inf"))  # [BM, BN]
-            new_max = tl.maximum(running_max, tl.max(logits, axis=1))
-            new_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with nothing seen yet
-            shrink = tl.exp(running_max - new_max)
-            probs = tl.exp(logits - new_max[:, None])  # [BM, BN]
-            norm = norm * shrink + tl.sum(probs, axis=1)
-            acc = acc * shrink[:, None] + dot(probs, v, IEEE)
-            running_max = new_max
-        norm = tl.where(in_m, norm, 1.0)
-        tl.store(out_ptr + (base + offs_m[:, None]) * D + offs_d[None, :], (acc / norm[:, None]).to(
-            out_ptr.dtype.element_ty), mask=in_m[:, None] & in_d[None, :])
-        tl.store(lse_ptr + base + offs_m, running_max + tl.log(norm), mask=in_m)
+            running_max, norm, acc = softmax_block(q, k, v, bias, seen, running_max, norm, acc, scale, IEEE)
+        store_rows(out_ptr, lse_ptr, (base + offs_m[:, None]) * D + offs_d[None, :], base + offs_m, in_m,
+                   in_m[:, None] & in_d[None, :], running_max, norm, acc)
 
     @triton.jit
     def _backward(q_ptr, k_ptr, v_ptr, rows_ptr, qpos_ptr, kpos_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr,
@@ -114,12 +106,8 @@ if triton is not None:
             delta = tl.load(delta_ptr + base + offs_m, mask=in_m, other=0.0)  # D = dO . O
             bias, seen, index, in_rows = _bias(rows_ptr, qpos_ptr, kpos_ptr, head, pos_at, n_rows, first, offs_m,
                                                offs_n, in_m, in_n, CAUSAL)
-            logits = dot(q, tl.trans(k), IEEE) * scale + bias
-            probs = tl.where(seen, tl.exp(logits - lse[:, None]), 0.0)  # P: [BM, BN]
-            ds = probs * (dot(dout, tl.trans(v), IEEE) - delta[:, None])  # d logit: [BM, BN]
-            dv += dot(tl.trans(probs), dout, IEEE)
-            dk += dot(tl.trans(ds), q, IEEE)
-            tl.atomic_add(dq_ptr + rows_m, dot(ds, k, IEEE) * scale, mask=in_m[:, None] & in_d[None, :])
+            ds, dk, dv = softmax_block_grads(q, k, v, dout, lse, delta, bias, seen, dk, dv, dq_ptr, rows_m,
+                                             in_m[:, None] & in_d[None, :], scale, IEEE)  # ds: d logit [BM, BN]
             if ROWS_GRAD:
                 tl.atomic_add(drows_at + index, ds, mask=in_rows)
         tl.store(dk_ptr + rows_n, (dk * scale).to(dk_ptr.dtype.element_ty), mask=in_n[:, None] & in_d[None, :])

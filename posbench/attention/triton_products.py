@@ -1,5 +1,6 @@
-"""What posbench's own Triton kernels (cope_kernel, dape_kernel, relative_bias_kernel) share: Triton, where it is
-installed (CUDA builds of torch ship it), their matrix product, and the tiles where Triton's interpreter runs them."""
+"""What posbench's own Triton kernels (cope_kernel, dape_kernel, relative_bias_kernel, fire_kernel) share: Triton, where
+it is installed (CUDA builds of torch ship it), their matrix product, the tiles where Triton's interpreter runs them,
+and the flash steps of the kernels whose logits are q . k plus a bias (relative_bias_kernel, fire_kernel)."""
 from __future__ import annotations
 
 import os
@@ -29,7 +30,7 @@ except ImportError:  # the kernels need Triton; their entry points refuse withou
     triton = tl = None
 
 if triton is None:
-    dot = None
+    dot = softmax_block = store_rows = softmax_block_grads = None
 else:
     @triton.jit
     def dot(a, b, IEEE: tl.constexpr):
@@ -39,3 +40,35 @@ else:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
             return tl.dot(a.to(b.dtype), b)
+
+    @triton.jit
+    def softmax_block(q, k, v, bias, seen, running_max, norm, acc, scale, IEEE: tl.constexpr):
+        """One key block of a flash forward: the logits q . k * scale + bias (-inf where a query does not see a key)
+        folded into each query's running max, softmax sum and weighted values -> (running_max, norm, acc)."""
+        logits = tl.where(seen, dot(q, tl.trans(k), IEEE) * scale + bias, float("-inf"))  # [BM, BN]
+        new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+        new_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with nothing seen yet
+        shrink = tl.exp(running_max - new_max)
+        probs = tl.exp(logits - new_max[:, None])  # [BM, BN]
+        return new_max, norm * shrink + tl.sum(probs, axis=1), acc * shrink[:, None] + dot(probs, v, IEEE)
+
+    @triton.jit
+    def store_rows(out_ptr, lse_ptr, rows, lse_rows, in_m, inside, running_max, norm, acc):
+        """A flash forward's end: the output acc / norm at rows and each query's log-sum-exp at lse_rows."""
+        norm = tl.where(in_m, norm, 1.0)
+        tl.store(out_ptr + rows, (acc / norm[:, None]).to(out_ptr.dtype.element_ty), mask=inside)
+        tl.store(lse_ptr + lse_rows, running_max + tl.log(norm), mask=in_m)
+
+    @triton.jit
+    def softmax_block_grads(q, k, v, dout, lse, delta, bias, seen, dk, dv, dq_ptr, rows_m, inside_m, scale,
+                            IEEE: tl.constexpr):
+        """One query block of a flash backward, in a program of one key block: P and dS (the logits' gradient,
+        [BM, BN]) from the forward's log-sum-exps and D = dO . O; dk and dv summed, dq added atomically -> (ds, dk,
+        dv)."""
+        logits = dot(q, tl.trans(k), IEEE) * scale + bias
+        probs = tl.where(seen, tl.exp(logits - lse[:, None]), 0.0)  # P: [BM, BN]
+        ds = probs * (dot(dout, tl.trans(v), IEEE) - delta[:, None])  # d logit: [BM, BN]
+        dv += dot(tl.trans(probs), dout, IEEE)
+        dk += dot(tl.trans(ds), q, IEEE)
+        tl.atomic_add(dq_ptr + rows_m, dot(ds, k, IEEE) * scale, mask=inside_m)
+        return ds, dk, dv
