@@ -1,5 +1,5 @@
-"""posbench's own Triton kernels (CoPE's, DAPE's, the relative bias's, FIRE's) compiled for a CUDA architecture without a
-GPU, with the block sizes and warps they launch with: what each thread holds (registers, spilled bytes) and each
+"""posbench's own Triton kernels (CoPE's, DAPE's, the relative bias's, FIRE's) compiled for a CUDA architecture
+without a GPU, with the block sizes and warps they launch with: what each thread holds (registers, spilled bytes) and each
 program's shared memory, from Triton's bundled ptxas. Spills mean local-memory traffic in the kernel's inner loop,
 so this is the check to run after changing a kernel's tiles.
 
@@ -53,8 +53,8 @@ def kernels(head_dim: int, heads: int, width: int, dtype: str) -> list[tuple[str
     queries, keys, warps = fire_kernel.launch_tiles(padded)
     fire = {"CAUSAL": True, "IEEE": ieee, "WIDTH": width, "D": head_dim, "DP": padded, "BM": queries, "BN": keys}
     found += [("fire forward", fire_kernel._forward, fire, warps, INPUT_POINTERS),
-              ("fire backward", fire_kernel._backward,
-               {**fire, "PARAMS_GRAD": True, "WP": 1 << width.bit_length()}, warps, (*INPUT_POINTERS, "dk_ptr", "dv_ptr"))]
+              ("fire backward", fire_kernel._backward, {**fire, "PARAMS_GRAD": True, "WP": 1 << width.bit_length()},
+               warps, (*INPUT_POINTERS, "dk_ptr", "dv_ptr"))]
     return found
 
 

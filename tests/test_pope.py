@@ -149,7 +149,6 @@ def test_training_projects_delta_back_into_its_range():
     assert torch.all(enc.delta.grad[0, 0] != 0)
 
 
-
 def test_zero_initialised_deltas_learn_from_the_first_step():
     """The paper's language-model initialisation puts every delta at the range's upper bound, 0: each still gets a
     gradient there (torch 2.14's clamp gives none at a bound, which would leave every delta at 0 for good)."""
@@ -167,6 +166,7 @@ def test_the_clamps_gradient_is_one_inside_and_at_the_bounds_and_zero_beyond(val
     clamped = clamp_learning_at_bounds(x, -2 * math.pi, 0.0)
     clamped.backward()
     assert clamped.item() == min(max(value, -2 * math.pi), 0.0) and x.grad.item() == expected
+
 
 def test_delta_initialisations():
     zero = make_encoding("pope")

@@ -154,7 +154,6 @@ def test_a_bad_checkpoint_gets_a_clear_message(tmp_path, content):
     assert read_status(tmp_path / "from")["phase"] == "build"
 
 
-
 def saturated_colours(path, least_pixels: int = 30) -> set:
     """The colours (not white, grey or black) that cover at least least_pixels pixels of a PNG."""
     import numpy as np
@@ -164,6 +163,7 @@ def saturated_colours(path, least_pixels: int = 30) -> set:
     pixels = pixels[pixels.max(1) - pixels.min(1) > 60]  # grey levels (text, axes, anti-aliasing of them) left out
     colours, counts = np.unique(pixels, axis=0, return_counts=True)
     return {tuple(c) for c, n in zip(colours.tolist(), counts) if n >= least_pixels}
+
 
 def test_a_sweep_over_model_sizes_is_faceted_by_size_and_ranked_within_each(tmp_path):
     import pandas as pd
