@@ -967,8 +967,8 @@ def length(module: str, name: str) -> str:
 
 def suite_size() -> int:
     """pytest's count of the suite's tests: a collection in one process (some seconds)."""
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider"],
-                          cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-m", "",  # slow ones too
+                           "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True)
     found = re.search(r"^(\d+) tests? collected", done.stdout, re.M)
     if done.returncode or not found:
         raise SystemExit(f"pytest --collect-only failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")

@@ -78,13 +78,24 @@ def multirun_config(*overrides: str):
             "config", list(overrides), run_mode=RunMode.MULTIRUN)
 
 
-def composed_group_hash(run: Path) -> tuple[str, dict]:
-    """The group hash a committed sweep run's overrides compose to today, and its first row."""
-    cfg = multirun_config(*yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()))
-    with open_dict(cfg):
-        del cfg["hydra"]
-    row = json.loads((run / "results.jsonl").read_text().splitlines()[0])
-    return config_hash(group_config(OmegaConf.to_container(cfg, resolve=True))), row
+def assert_runs_compose_to_their_hashes(runs: list[Path]) -> list[dict]:
+    """Each committed sweep run's overrides compose today to the group hash its rows carry; returns each run's
+    first row. The seed is not part of a group (runinfo.NOT_RESULT_KEYS) and no config reads it, so the runs
+    of one group that differ only in their seed are composed once."""
+    hashes, rows = {}, []
+    for run in runs:
+        overrides = yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text())
+        group = tuple(sorted(o for o in overrides if not o.startswith("seed=")))
+        if group not in hashes:
+            cfg = multirun_config(*overrides)
+            with open_dict(cfg):
+                del cfg["hydra"]
+            assert "${seed" not in OmegaConf.to_yaml(cfg), "a config reads the seed: compose every run"
+            hashes[group] = config_hash(group_config(OmegaConf.to_container(cfg, resolve=True)))
+        row = json.loads((run / "results.jsonl").read_text().splitlines()[0])
+        assert hashes[group] == row["config_hash"], run.name
+        rows.append(row)
+    return rows
 
 
 def sweep_values(params, key: str) -> list[str]:

@@ -25,6 +25,7 @@ def table_rows(stdout: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
 
 
+@pytest.mark.slow
 def test_two_encodings_two_lengths(tmp_path):
     out = tmp_path / "bench.csv"
     result = subprocess.run([sys.executable, str(SCRIPT), "--encodings", "nope,alibi", "--lengths", "4,8",
@@ -57,6 +58,7 @@ def test_two_encodings_two_lengths(tmp_path):
             assert float(row["tokens_per_s_vs_nope"]) > 0 and float(row["peak_mem_vs_nope"]) > 0
 
 
+@pytest.mark.slow
 def test_frontier_methods_compose_as_the_study_does(tmp_path):
     out = tmp_path / "bench.csv"
     command = [sys.executable, str(SCRIPT), "--methods", "p_rope", "--lengths", "4", "--steps", "1", "--warmup", "0",
@@ -100,6 +102,7 @@ def test_bad_options_are_refused(flag):
     assert result.returncode != 0 and flag[0] in result.stderr
 
 
+@pytest.mark.slow
 def test_block_views_are_timed_against_plain_slices(tmp_path):
     """131 tokens: two eager query blocks (128 and 3), so both ways of taking their views run."""
     out = tmp_path / "blocks.csv"
@@ -114,6 +117,7 @@ def test_block_views_are_timed_against_plain_slices(tmp_path):
     assert table_rows(result.stdout)[0][:3] == ["cope", "eager", "131"]
 
 
+@pytest.mark.slow
 def test_profile_step_and_compile_probe_run_on_the_cpu(tmp_path):
     """scripts/profile_step.py names the step it profiled and tables its ops; scripts/compile_probe.py times each
     step of both modes and writes them (on the CPU graphs is the compiled graph alone)."""

@@ -19,6 +19,8 @@ from posbench import distributed, runner
 from tasks.wikitext import WindowBatch
 from tests.helpers import KILLER, ROOT, compose_cfg, read_rows
 
+pytestmark = pytest.mark.slow  # torchrun processes, stopped and resumed: python -m pytest -m slow
+
 OVERRIDES = ["debug=smoke", "device=cpu", "train.checkpoint_every=8", "train.log_every=3"]  # gloo, GPU or not
 MEASURED = ("status", "eval_length", "exact_match", "token_acc", "train_steps", "config_hash", "seed", "samples",
             "data_fingerprint")

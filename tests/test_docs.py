@@ -125,15 +125,18 @@ def test_tables_match_the_committed_rows(capsys):
 
 
 def whole_suite(session) -> int | None:
-    """The suite's size when this session collected every test file with nothing deselected (a
-    worker of pytest-xdist collects the whole suite too), else None."""
+    """The suite's size when this session collected every test file and deselected tests by their marks alone
+    (`-m`: the slow ones, by default) or not at all (a worker of pytest-xdist collects the whole suite too), else
+    None."""
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is None or reporter.stats.get("deselected"):
+    options = session.config.option
+    if reporter is None or options.keyword or options.deselect:
         return None
-    files = {Path(str(item.path)).name for item in session.items}
+    deselected = reporter.stats.get("deselected", [])
+    files = {Path(str(item.path)).name for item in (*session.items, *deselected)}
     if files != {p.name for p in (ROOT / "tests").glob("test_*.py")}:
         return None
-    return len(session.items)
+    return len(session.items) + len(deselected)
 
 
 def test_the_documented_test_count_is_the_suites(request):

@@ -76,16 +76,26 @@ def test_no_generator_is_made_outside_draws():
     assert not makers, f"generators made outside posbench/draws.py: {makers}"
 
 
-def test_a_guarded_evaluation_batch_draws_the_configured_runs_sequences(tmp_path):
+# stack manipulation at 2,000 tokens, evaluated 16 sequences at a time; the guard's tests add eval.memory_limit
+LONG_EVALUATION = ["debug=smoke", "device=cpu", "task=stack_manipulation", "eval.lengths=[2000]", "train.steps=5",
+                   "eval.samples=32", "eval.batch_size=16"]
+
+
+@pytest.fixture(scope="module")
+def unguarded(tmp_path_factory) -> dict:
+    """The first row of LONG_EVALUATION's run with no memory limit."""
+    run_dir = tmp_path_factory.mktemp("whole")
+    posbench(*LONG_EVALUATION, f"hydra.run.dir={run_dir}")
+    return read_rows(run_dir)[0]
+
+
+def test_a_guarded_evaluation_batch_draws_the_configured_runs_sequences(tmp_path, unguarded):
     """The guard's smaller evaluation batch (eval.memory_limit) evaluates the sequences the configured batch
     draws: stack manipulation draws each batch whole, so before, its sequences (and scores) changed."""
-    common = ["debug=smoke", "device=cpu", "task=stack_manipulation", "eval.lengths=[2000]", "train.steps=5",
-              "eval.samples=32", "eval.batch_size=16"]
-    posbench(*common, f"hydra.run.dir={tmp_path / 'whole'}")
-    guarded = posbench(*common, "eval.memory_limit=40", f"hydra.run.dir={tmp_path / 'guarded'}")
+    guarded = posbench(*LONG_EVALUATION, "eval.memory_limit=40", f"hydra.run.dir={tmp_path / 'guarded'}")
     split = re.search(r"evaluating it (\d+) sequences at a time instead", guarded.stderr)
     assert split and 1 <= int(split[1]) < 16 and "the same sequences" in guarded.stderr, guarded.stderr[-2000:]
-    whole, parts = read_rows(tmp_path / "whole")[0], read_rows(tmp_path / "guarded")[0]
+    whole, parts = unguarded, read_rows(tmp_path / "guarded")[0]
     assert parts["data_fingerprint"] == whole["data_fingerprint"]
     assert parts["loss"] == pytest.approx(whole["loss"], rel=1e-5)
     assert parts["token_acc"] == pytest.approx(whole["token_acc"], rel=1e-6)
@@ -99,15 +109,12 @@ def test_row_blocks_split_every_batch_field_and_keep_the_rest():
     assert draws.row_blocks(b, 2) == [b]
 
 
-def test_data_too_large_to_draw_whole_are_drawn_fewer_at_a_time_and_the_group_splits(tmp_path):
+def test_data_too_large_to_draw_whole_are_drawn_fewer_at_a_time_and_the_group_splits(tmp_path, unguarded):
     """Where even eval.batch_size sequences' data would not fit, they are drawn as few at a time as are
     evaluated: other sequences, so config_hash records it (eval.drawn_batch_size) and the group splits."""
-    common = ["debug=smoke", "device=cpu", "task=stack_manipulation", "eval.lengths=[2000]", "train.steps=5",
-              "eval.samples=32", "eval.batch_size=16"]
-    posbench(*common, f"hydra.run.dir={tmp_path / 'whole'}")
-    guarded = posbench(*common, "eval.memory_limit=25", f"hydra.run.dir={tmp_path / 'guarded'}")
+    guarded = posbench(*LONG_EVALUATION, "eval.memory_limit=25", f"hydra.run.dir={tmp_path / 'guarded'}")
     assert "other sequences than eval.batch_size=16 draws" in guarded.stderr
-    whole, parts = read_rows(tmp_path / "whole")[0], read_rows(tmp_path / "guarded")[0]
+    whole, parts = unguarded, read_rows(tmp_path / "guarded")[0]
     drawn = parts["config"]["eval"]["drawn_batch_size"]  # length -> sequences drawn at a time (JSON: text keys)
     assert list(drawn) == ["2000"] and 1 <= drawn["2000"] < 16
     assert parts["config_hash"] != whole["config_hash"] and parts["data_fingerprint"] != whole["data_fingerprint"]

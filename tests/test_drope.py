@@ -167,6 +167,7 @@ def test_a_short_training_run_drops_at_its_step_and_wakes_the_norm_then(monkeypa
     assert torch.equal(again.encoding.norm_weight, saved["encoding.norm_weight"])
 
 
+@pytest.mark.slow
 def test_two_processes_train_across_the_drop_as_one(tmp_path):
     """Data-parallel (DDP with a static graph: the same parameters used at every step): the norm weights,
     unused before the drop and trained after it, give the one-process run's rows."""

@@ -18,6 +18,8 @@ import pytest
 
 from tests.helpers import KILLER, posbench, read_rows
 
+pytestmark = pytest.mark.slow  # whole processes, killed and resumed: python -m pytest -m slow
+
 STEPS, CHECKPOINT_EVERY = 60, 16
 OVERRIDES = ["debug=smoke", f"train.steps={STEPS}", f"train.checkpoint_every={CHECKPOINT_EVERY}",
              "eval.ratios=[1,2,3]", "train.log_every=7"]

@@ -7,7 +7,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from posbench.validate import check_config
-from tests.helpers import composed_group_hash, multirun_config, options, sweep_values
+from tests.helpers import assert_runs_compose_to_their_hashes, multirun_config, options, sweep_values
 
 METHODS = {  # option: (encoding target, the encoding settings the option sets)
     "nope": ("nope.NoPE", {}), "rope": ("rope.RoPE", {"frequency_fraction": 1.0}),
@@ -69,6 +69,4 @@ def test_every_committed_run_composes_today_to_the_hash_of_its_rows(monkeypatch,
     monkeypatch.setenv("POSBENCH_WIKITEXT_DIR", str(tmp_path))  # composing only: no data is read
     runs = sorted(STUDY.glob("*_experiment=frontier,*"))
     assert len(runs) >= 52  # seed 0 of copy, sparse flip-flop, WikiText and counting at least
-    for run in runs:
-        composed, row = composed_group_hash(run)
-        assert composed == row["config_hash"], run.name
+    assert_runs_compose_to_their_hashes(runs)

@@ -34,6 +34,7 @@ def docs_tables(monkeypatch, gpu_dir):
     return module
 
 
+@pytest.mark.slow
 def test_encodings_on_every_backend_with_nope_in_the_same_run(tmp_path, monkeypatch):
     run(tmp_path, "--parts", "encodings", "--encodings", "alibi", "--tokens", "32", "--modes", "eager",
         "--tokens-per-step", "256", "--budget-s", "300")
@@ -67,6 +68,7 @@ def test_a_spent_budget_leaves_every_row_marked_not_measured(tmp_path):
     assert {r["status"] for r in rows} == {"not measured: budget"}
 
 
+@pytest.mark.slow
 def test_the_default_job_and_the_sweep_parts(tmp_path, monkeypatch):
     run(tmp_path, "--parts", "default_job,sweep", "--job-overrides", "debug=smoke", "--job-modes", "eager",
         "--sweep-overrides", "debug=smoke", "frontier_method=nope,alibi",
@@ -87,6 +89,7 @@ def test_the_default_job_and_the_sweep_parts(tmp_path, monkeypatch):
     assert [row["concurrent"] for row in read(tmp_path, "sweep.csv")] == ["2", "1"]  # a row per concurrency
 
 
+@pytest.mark.slow
 def test_an_encodings_process_past_its_time_is_stopped_and_its_rows_say_so(tmp_path):
     """--child-s bounds one encoding's process (at least 5 s): a stuck compile cannot take the later encodings'
     time. 4,097 tokens in batches of 65,536 take far longer than 5 s on a CPU."""

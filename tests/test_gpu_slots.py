@@ -142,6 +142,7 @@ def read_line(stream, what: str, timeout: float = 90) -> str:
     raise AssertionError(f"no line with {what!r} within {timeout} s")
 
 
+@pytest.mark.slow
 def test_two_processes_take_distinct_slots_and_a_third_waits_for_a_killed_ones(tmp_path):
     """K x GPUs = 2 slots: two holders take 0 and 1; a third waits (it is not refused: a sweep's next job
     runs once a slot is free) and takes the slot of a holder killed with SIGKILL, whose flock the kernel drops."""
@@ -225,6 +226,7 @@ job()
 """
 
 
+@pytest.mark.slow
 def test_the_launchers_concurrent_jobs_take_distinct_slots(tmp_path):
     sweep = tmp_path / "sweep"
     result = posbench("-m", "hydra/launcher=gpus", "hydra.launcher.n_jobs=${posbench.gpu_jobs:2}", "seed=0,1,2",
@@ -237,6 +239,7 @@ def test_the_launchers_concurrent_jobs_take_distinct_slots(tmp_path):
 
 # --- real sweeps -----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_sweep_through_the_launcher_runs_on_the_cpu_and_resumes(tmp_path):
     sweep = tmp_path / "sweep"
     cpu_only = {"CUDA_VISIBLE_DEVICES": ""}

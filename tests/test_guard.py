@@ -154,6 +154,7 @@ print(json.dumps({"resettable": started[-1].resettable, "measured": (row["peak_m
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides,length,batch", MEASURED)
 def test_the_estimate_bounds_the_measured_peak_within_a_factor(overrides, length, batch):
     """Measured in a fresh process, as a run's evaluation would be: a test worker's heap, shaped by the
@@ -344,6 +345,7 @@ MEASURED_TRAINING = [  # each with one part far above the rest
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", MEASURED_TRAINING)
 def test_the_training_estimate_bounds_the_measured_peak(overrides):
     """From the plan, before building: the peak resident set of the build, the optimizer and two training

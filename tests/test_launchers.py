@@ -10,7 +10,8 @@ import pytest
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from tests.helpers import ROOT, composed_group_hash, multirun_config, options, posbench, read_rows, sweep_values
+from tests.helpers import (ROOT, assert_runs_compose_to_their_hashes, multirun_config, options, posbench, read_rows,
+                           sweep_values)
 
 CORPUS_TASKS = {"wikitext"}  # not synthetic: left out of the suite
 GRID_TASKS = {"life", "grid_flip", "grid_row_count", "grid_nearest"}  # experiment=grid_extrapolation's
@@ -93,6 +94,7 @@ def test_debug_smoke_composes_alone_and_after_an_experiment():
     assert grid.hydra.sweeper.params.task == multirun_config("experiment=grid_extrapolation").hydra.sweeper.params.task
 
 
+@pytest.mark.slow
 def test_joblib_sweep_runs_in_parallel_and_the_report_reads_it(tmp_path):
     sweep = tmp_path / "sweep"
     result = posbench("-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "threads=1", "debug=smoke",
@@ -107,6 +109,7 @@ def test_joblib_sweep_runs_in_parallel_and_the_report_reads_it(tmp_path):
     assert "| copy | alibi |" in report.stdout and "| copy | nope |" in report.stdout
 
 
+@pytest.mark.slow
 def test_a_preempted_submitit_job_requeues_and_resumes_by_itself(tmp_path):
     """submitit's preemption signal (SIGUSR2) to the job mid-training: the runner saves a checkpoint
     at the step it stopped, hands the signal to submitit, which requeues the job (Hydra's submitit
@@ -148,12 +151,8 @@ def test_committed_scale_study_runs_of_either_machine_compose_to_the_hash_of_the
     """The medium size was run partly on a GPU (device=auto): its runs join the CPU runs' groups
     only while the configuration they compose to today hashes as their rows say."""
     runs = sorted((ROOT / "results" / "reference" / "scale_study" / "medium").glob("*experiment=scale_study*"))
-    devices = {}
-    for run in runs:
-        composed, row = composed_group_hash(run)
-        assert composed == row["config_hash"], run.name
-        devices.setdefault(row["device"], []).append(run.name)
-    assert set(devices) == {"cpu", "cuda"} and len(runs) >= 13 + 34
+    rows = assert_runs_compose_to_their_hashes(runs)
+    assert {row["device"] for row in rows} == {"cpu", "cuda"} and len(runs) >= 13 + 34
 
 
 def test_scale_study_sweeps_six_encodings_three_tasks_three_sizes_three_seeds():
@@ -200,9 +199,7 @@ def test_the_committed_quickstart_learns_and_the_report_ranks_it(tmp_path):
     today, each is learned at N, and the report ranks all four (NoPE first: it counts past N)."""
     runs = sorted((ROOT / "results" / "reference" / "quickstart").glob("*experiment=quickstart*"))
     assert len(runs) == 4
-    for run in runs:
-        composed, row = composed_group_hash(run)
-        assert composed == row["config_hash"], run.name
+    assert_runs_compose_to_their_hashes(runs)
     from posbench.report import write_report
 
     write_report([ROOT / "results" / "reference" / "quickstart"], out=tmp_path)

@@ -177,6 +177,7 @@ def test_ruoss_chomsky_smoke(tmp_path):
 @pytest.mark.skipif(not any((WIKITEXT_2 / name).exists() for name in ("wiki.train.tokens", "wiki.train.tokens.xz")),
                     reason=f"no local WikiText-2 release in {WIKITEXT_2} (set POSBENCH_WIKITEXT_DIR); the smoke run "
                            "must not download")
+@pytest.mark.slow
 def test_alibi_wikitext103_smoke(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -51,6 +51,7 @@ def wait_for(path: Path, process: subprocess.Popen, seconds: float = 300) -> Non
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_second_live_process_is_refused_naming_the_first_and_writes_nothing(tmp_path):
     run_dir, ready = tmp_path / "run", tmp_path / "ready"
     first = subprocess.Popen([sys.executable, "-c", PAUSED, str(ready), f"hydra.run.dir={run_dir}", *OVERRIDES],
@@ -78,6 +79,7 @@ def test_a_second_live_process_is_refused_naming_the_first_and_writes_nothing(tm
     assert "train.checkpoint_every=5" not in (run_dir / ".hydra" / "overrides.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_the_lock_of_a_killed_process_is_taken_over_by_the_resuming_command(tmp_path):
     run_dir = tmp_path / "run"
     killed = tiny_run(run_dir, ("train", 9, "SIGKILL"))
