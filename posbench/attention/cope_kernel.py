@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from posbench.attention.triton_products import INTERPRETED_BLOCKS, dot, head_launch, interpreted, tl, triton
+from posbench.attention.triton_products import (INTERPRETED_BLOCKS, dot, head_launch, head_rows, interpreted,
+                                               softmax_start, store_rows, tl, triton)
 
 
 def tiles(head_dim: int) -> tuple[int, int, int]:
@@ -44,23 +45,18 @@ if triton is not None:
         offs_d = tl.arange(0, DP)
         in_m, in_d = offs_m < length, offs_d < D
         base = head.to(tl.int64) * length
-        q = tl.load(q_ptr + (base + offs_m[:, None]) * D + offs_d[None, :], mask=in_m[:, None] & in_d[None, :],
-                    other=0.0)  # [BM, DP]
+        rows_m, inside_m = (base + offs_m[:, None]) * D + offs_d[None, :], in_m[:, None] & in_d[None, :]
+        q = tl.load(q_ptr + rows_m, mask=inside_m, other=0.0)  # [BM, DP]
         z_rows = z_ptr + (base + offs_m[:, None]) * ZW  # each query's z: [BM, 1] pointers
         top = tl.minimum((row_block + 1) * BM, length) if CAUSAL else length
         blocks = tl.cdiv(top, BN)
-        running_max = tl.full([BM], float("-inf"), tl.float32)
-        norm = tl.zeros([BM], tl.float32)
-        acc = tl.zeros([BM, DP], tl.float32)
+        running_max, norm, acc = softmax_start(BM, DP)
         later = tl.zeros([BM], tl.float32)  # the gates of the key blocks already done (after this one)
         for step in range(0, blocks):
             start = (blocks - 1 - step) * BN
             offs_n = start + tl.arange(0, BN)
             in_n = offs_n < length
-            k = tl.load(k_ptr + (base + offs_n[:, None]) * D + offs_d[None, :], mask=in_n[:, None] & in_d[None, :],
-                        other=0.0)  # [BN, DP]
-            v = tl.load(v_ptr + (base + offs_n[:, None]) * D + offs_d[None, :], mask=in_n[:, None] & in_d[None, :],
-                        other=0.0)  # [BN, DP]
+            _, _, k, v = head_rows(k_ptr, v_ptr, base, offs_n, in_n, offs_d, in_d, D)  # [BN, DP] each
             s = dot(q, tl.trans(k), IEEE) * scale  # [BM, BN]
             seen = in_m[:, None] & in_n[None, :]
             if CAUSAL:
@@ -81,11 +77,7 @@ if triton is not None:
             norm = norm * shrink + tl.sum(probs, axis=1)
             acc = acc * shrink[:, None] + dot(probs, v, IEEE)
             running_max = new_max
-        norm = tl.where(in_m, norm, 1.0)
-        out = acc / norm[:, None]
-        tl.store(out_ptr + (base + offs_m[:, None]) * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=in_m[:, None] & in_d[None, :])
-        tl.store(lse_ptr + base + offs_m, running_max + tl.log(norm), mask=in_m)
+        store_rows(out_ptr, lse_ptr, rows_m, base + offs_m, in_m, inside_m, running_max, norm, acc)
         tl.store(total_ptr + base + offs_m, later, mask=in_m)
 
     @triton.jit
@@ -97,9 +89,7 @@ if triton is not None:
         offs_d = tl.arange(0, DP)
         in_m, in_d = offs_m < length, offs_d < D
         base = head.to(tl.int64) * length
-        rows_m = (base + offs_m[:, None]) * D + offs_d[None, :]
-        q = tl.load(q_ptr + rows_m, mask=in_m[:, None] & in_d[None, :], other=0.0)  # [BM, DP]
-        dout = tl.load(dout_ptr + rows_m, mask=in_m[:, None] & in_d[None, :], other=0.0)  # [BM, DP]
+        rows_m, inside_m, q, dout = head_rows(q_ptr, dout_ptr, base, offs_m, in_m, offs_d, in_d, D)  # [BM, DP]
         lse = tl.load(lse_ptr + base + offs_m, mask=in_m, other=0.0)
         total = tl.load(total_ptr + base + offs_m, mask=in_m, other=0.0)  # G: every gate of the row
         delta = tl.load(delta_ptr + base + offs_m, mask=in_m, other=0.0)  # D = dO . O
@@ -112,9 +102,7 @@ if triton is not None:
         for start in range(0, top, BN):
             offs_n = start + tl.arange(0, BN)
             in_n = offs_n < length
-            rows_n = (base + offs_n[:, None]) * D + offs_d[None, :]
-            k = tl.load(k_ptr + rows_n, mask=in_n[:, None] & in_d[None, :], other=0.0)  # [BN, DP]
-            v = tl.load(v_ptr + rows_n, mask=in_n[:, None] & in_d[None, :], other=0.0)  # [BN, DP]
+            rows_n, inside_n, k, v = head_rows(k_ptr, v_ptr, base, offs_n, in_n, offs_d, in_d, D)  # [BN, DP] each
             s = dot(q, tl.trans(k), IEEE) * scale  # [BM, BN]
             dpv = dot(dout, tl.trans(v), IEEE)  # dO . v: [BM, BN]
             seen = in_m[:, None] & in_n[None, :]
@@ -140,9 +128,9 @@ if triton is not None:
             dq += dot(dscore, k, IEEE)
             dk = dot(tl.trans(dscore), q, IEEE)  # [BN, DP]
             dv = dot(tl.trans(probs), dout, IEEE)
-            tl.atomic_add(dk_ptr + rows_n, dk, mask=in_n[:, None] & in_d[None, :])
-            tl.atomic_add(dv_ptr + rows_n, dv, mask=in_n[:, None] & in_d[None, :])
-        tl.store(dq_ptr + rows_m, dq, mask=in_m[:, None] & in_d[None, :])
+            tl.atomic_add(dk_ptr + rows_n, dk, mask=inside_n)
+            tl.atomic_add(dv_ptr + rows_n, dv, mask=inside_n)
+        tl.store(dq_ptr + rows_m, dq, mask=inside_m)
 
 
 class _CoPEAttention(torch.autograd.Function):

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from posbench.attention.triton_products import (INTERPRETED_BLOCKS, head_launch, interpreted, softmax_block,
-                                               softmax_block_grads, store_rows, tl, triton)
+from posbench.attention.triton_products import (INTERPRETED_BLOCKS, head_launch, head_rows, interpreted,
+                                               softmax_block, softmax_block_grads, softmax_start, store_key_grads,
+                                               store_rows, tl, triton)
 
 
 def tiles(head_dim: int) -> tuple[int, int, int]:
@@ -60,23 +61,18 @@ if triton is not None:
         offs_d = tl.arange(0, DP)
         in_m, in_d = offs_m < length, offs_d < D
         base = batch_head.to(tl.int64) * length
-        q = tl.load(q_ptr + (base + offs_m[:, None]) * D + offs_d[None, :], mask=in_m[:, None] & in_d[None, :],
-                    other=0.0)  # [BM, DP]
+        rows_m, inside_m = (base + offs_m[:, None]) * D + offs_d[None, :], in_m[:, None] & in_d[None, :]
+        q = tl.load(q_ptr + rows_m, mask=inside_m, other=0.0)  # [BM, DP]
         top = tl.minimum((row_block + 1) * BM, length) if CAUSAL else length
-        running_max = tl.full([BM], float("-inf"), tl.float32)
-        norm = tl.zeros([BM], tl.float32)
-        acc = tl.zeros([BM, DP], tl.float32)
+        running_max, norm, acc = softmax_start(BM, DP)
         for start in range(0, top, BN):
             offs_n = start + tl.arange(0, BN)
             in_n = offs_n < length
-            rows_n = (base + offs_n[:, None]) * D + offs_d[None, :]
-            k = tl.load(k_ptr + rows_n, mask=in_n[:, None] & in_d[None, :], other=0.0)  # [BN, DP]
-            v = tl.load(v_ptr + rows_n, mask=in_n[:, None] & in_d[None, :], other=0.0)  # [BN, DP]
+            _, _, k, v = head_rows(k_ptr, v_ptr, base, offs_n, in_n, offs_d, in_d, D)  # [BN, DP] each
             bias, seen, _, _ = _bias(rows_ptr, qpos_ptr, kpos_ptr, head, pos_at, n_rows, first, offs_m, offs_n,
                                      in_m, in_n, CAUSAL)
             running_max, norm, acc = softmax_block(q, k, v, bias, seen, running_max, norm, acc, scale, IEEE)
-        store_rows(out_ptr, lse_ptr, (base + offs_m[:, None]) * D + offs_d[None, :], base + offs_m, in_m,
-                   in_m[:, None] & in_d[None, :], running_max, norm, acc)
+        store_rows(out_ptr, lse_ptr, rows_m, base + offs_m, in_m, inside_m, running_max, norm, acc)
 
     @triton.jit
     def _backward(q_ptr, k_ptr, v_ptr, rows_ptr, qpos_ptr, kpos_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr,
@@ -89,9 +85,7 @@ if triton is not None:
         offs_d = tl.arange(0, DP)
         in_n, in_d = offs_n < length, offs_d < D
         base = batch_head.to(tl.int64) * length
-        rows_n = (base + offs_n[:, None]) * D + offs_d[None, :]
-        k = tl.load(k_ptr + rows_n, mask=in_n[:, None] & in_d[None, :], other=0.0)  # [BN, DP]
-        v = tl.load(v_ptr + rows_n, mask=in_n[:, None] & in_d[None, :], other=0.0)  # [BN, DP]
+        rows_n, inside_n, k, v = head_rows(k_ptr, v_ptr, base, offs_n, in_n, offs_d, in_d, D)  # [BN, DP] each
         drows_at = drows_ptr + batch_head.to(tl.int64) * n_rows  # this sequence's and head's rows
         dk = tl.zeros([BN, DP], tl.float32)
         dv = tl.zeros([BN, DP], tl.float32)
@@ -99,19 +93,16 @@ if triton is not None:
         for start in range(bottom, length, BM):
             offs_m = start + tl.arange(0, BM)
             in_m = offs_m < length
-            rows_m = (base + offs_m[:, None]) * D + offs_d[None, :]
-            q = tl.load(q_ptr + rows_m, mask=in_m[:, None] & in_d[None, :], other=0.0)  # [BM, DP]
-            dout = tl.load(dout_ptr + rows_m, mask=in_m[:, None] & in_d[None, :], other=0.0)  # [BM, DP]
+            rows_m, inside_m, q, dout = head_rows(q_ptr, dout_ptr, base, offs_m, in_m, offs_d, in_d, D)  # [BM, DP]
             lse = tl.load(lse_ptr + base + offs_m, mask=in_m, other=0.0)
             delta = tl.load(delta_ptr + base + offs_m, mask=in_m, other=0.0)  # D = dO . O
             bias, seen, index, in_rows = _bias(rows_ptr, qpos_ptr, kpos_ptr, head, pos_at, n_rows, first, offs_m,
                                                offs_n, in_m, in_n, CAUSAL)
-            ds, dk, dv = softmax_block_grads(q, k, v, dout, lse, delta, bias, seen, dk, dv, dq_ptr, rows_m,
-                                             in_m[:, None] & in_d[None, :], scale, IEEE)  # ds: d logit [BM, BN]
+            ds, dk, dv = softmax_block_grads(q, k, v, dout, lse, delta, bias, seen, dk, dv, dq_ptr, rows_m, inside_m,
+                                             scale, IEEE)  # ds: d logit [BM, BN]
             if ROWS_GRAD:
                 tl.atomic_add(drows_at + index, ds, mask=in_rows)
-        tl.store(dk_ptr + rows_n, (dk * scale).to(dk_ptr.dtype.element_ty), mask=in_n[:, None] & in_d[None, :])
-        tl.store(dv_ptr + rows_n, dv.to(dv_ptr.dtype.element_ty), mask=in_n[:, None] & in_d[None, :])
+        store_key_grads(dk_ptr, dv_ptr, rows_n, inside_n, dk, dv, scale)
 
 
 class _RelativeBiasAttention(torch.autograd.Function):

@@ -1,5 +1,6 @@
 """What posbench's own Triton kernels (cope_kernel, dape_kernel, relative_bias_kernel, fire_kernel) share: Triton, where
 it is installed (CUDA builds of torch ship it), their matrix product, the tiles where Triton's interpreter runs them,
+the per-head kernels' row loads and flash forward's start and end (cope_kernel, relative_bias_kernel, fire_kernel),
 and the flash steps of the kernels whose logits are q . k plus a bias (relative_bias_kernel, fire_kernel)."""
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ except ImportError:  # the kernels need Triton; their entry points refuse withou
     triton = tl = None
 
 if triton is None:
-    dot = softmax_block = store_rows = softmax_block_grads = None
+    dot = head_rows = softmax_start = softmax_block = store_rows = softmax_block_grads = store_key_grads = None
 else:
     @triton.jit
     def dot(a, b, IEEE: tl.constexpr):
@@ -40,6 +41,20 @@ else:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
             return tl.dot(a.to(b.dtype), b)
+
+    @triton.jit
+    def head_rows(a_ptr, b_ptr, base, offs, in_rows, offs_d, in_d, D: tl.constexpr):
+        """Rows `offs` of two [length, D] matrices of one sequence and head (its rows start at `base`), zero past
+        the ends -> (the rows' offsets and where they lie inside, both [len(offs), DP]; a's rows, b's rows)."""
+        rows = (base + offs[:, None]) * D + offs_d[None, :]
+        inside = in_rows[:, None] & in_d[None, :]
+        a, b = tl.load(a_ptr + rows, mask=inside, other=0.0), tl.load(b_ptr + rows, mask=inside, other=0.0)
+        return rows, inside, a, b
+
+    @triton.jit
+    def softmax_start(BM: tl.constexpr, DP: tl.constexpr):
+        """A flash forward before its first key block: each query's running max, softmax sum and weighted values."""
+        return tl.full([BM], float("-inf"), tl.float32), tl.zeros([BM], tl.float32), tl.zeros([BM, DP], tl.float32)
 
     @triton.jit
     def softmax_block(q, k, v, bias, seen, running_max, norm, acc, scale, IEEE: tl.constexpr):
@@ -72,3 +87,9 @@ else:
         dk += dot(tl.trans(ds), q, IEEE)
         tl.atomic_add(dq_ptr + rows_m, dot(ds, k, IEEE) * scale, mask=inside_m)
         return ds, dk, dv
+
+    @triton.jit
+    def store_key_grads(dk_ptr, dv_ptr, rows, inside, dk, dv, scale):
+        """A flash backward's end, in a program of one key block: dk (times the logits' scale) and dv."""
+        tl.store(dk_ptr + rows, (dk * scale).to(dk_ptr.dtype.element_ty), mask=inside)
+        tl.store(dv_ptr + rows, dv.to(dv_ptr.dtype.element_ty), mask=inside)
