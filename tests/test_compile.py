@@ -39,14 +39,6 @@ def test_flex_is_refused_in_dynamic_shapes_only():
         get_backend("flex", encoding, "cuda", dynamic_compile=True)
 
 
-@pytest.mark.parametrize("value", [1, "yes", "dynamic"])
-def test_an_unknown_compile_mode_is_refused_naming_the_modes(value, tmp_path):
-    result = posbench("debug=smoke", f"train.compile={value}", f"hydra.run.dir={tmp_path}", check=False)
-    assert result.returncode != 0
-    assert "train.compile" in result.stderr + result.stdout
-    assert "false, true, static, graphs, capture" in result.stderr + result.stdout
-
-
 def test_compiling_on_the_cpu_under_a_forced_aten_capability_is_refused(tmp_path):
     result = posbench(*SHORT, "train.compile=true", f"hydra.run.dir={tmp_path}", check=False,
                       env={"ATEN_CPU_CAPABILITY": "avx2"})
