@@ -1,7 +1,7 @@
 """posbench's own Triton kernels (CoPE's, DAPE's, the relative bias's, FIRE's) compiled for a CUDA architecture
-without a GPU, with the block sizes and warps they launch with: what each thread holds (registers, spilled bytes) and each
-program's shared memory, from Triton's bundled ptxas. Spills mean local-memory traffic in the kernel's inner loop,
-so this is the check to run after changing a kernel's tiles.
+without a GPU, with the block sizes and warps they launch with: what each thread holds (registers, spilled bytes)
+and each program's shared memory, from Triton's bundled ptxas. Spills mean local-memory traffic in the kernel's
+inner loop, so this is the check to run after changing a kernel's tiles.
 
     python scripts/kernel_resources.py               # sm_90 (H100, H200), float32 and bfloat16 inputs
     python scripts/kernel_resources.py --arch 80     # an A100

@@ -25,7 +25,6 @@ def pytest_runtest_logreport(report):
             log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
 
-
 SLOW_LEFT_OUT = pytest.StashKey[int]()  # slow tests the default -m 'not slow' deselected in this process
 
 
