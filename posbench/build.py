@@ -82,6 +82,7 @@ class Built:
     untrained: bool = False  # train.steps=0 without train.init_from: the fresh initialisation is evaluated
     guard: GuardResult | None = None  # evaluation batch sizes the memory guard allows (posbench.guard)
     eval_backends: dict[int, str] = field(default_factory=dict)  # length -> auto's choice there, where measured
+    backend_table: str | None = None  # the crossover table auto chose by (a device folder), None: its rule
 
     def backend_at(self, length: int) -> str:
         """The backend that evaluates `length` (the training backend unless a crossover table chose)."""
@@ -133,7 +134,8 @@ def plan_run(cfg: DictConfig, device: torch.device) -> Built:
     backend = measured_backend(cfg.backend.name, encoding, device, task.sequence_length(train_length),
                                cfg.train.compile, trains, windowed)
     eval_backends = {}  # auto by a crossover table: each evaluation length its own (posbench.attention.crossover)
-    if cfg.backend.name == "auto" and crossover.table_path(device) is not None:
+    table = crossover.device_table(device) if cfg.backend.name == "auto" else None
+    if table is not None:
         eval_backends = {length: measured_backend("auto", encoding, device, task.sequence_length(length),
                                                   training=False, windowed=windowed).name for length in lengths}
     if cfg.train.compile == "capture" and trains and (refusal := capture_refusal(train_length, cfg.train.lengths)):
@@ -148,7 +150,9 @@ def plan_run(cfg: DictConfig, device: torch.device) -> Built:
         model = Transformer(model_cfg, encoding, backend)
     if task.memory:  # evaluation with segment recurrence: refuse before training
         model.check_recurrent()
-    return Built(task, encoding, model, positions, backend.name, train_length, lengths, eval_backends=eval_backends)
+    backend_table = table.source if table is not None and crossover.has_rows(table.path, encoding.name) else None
+    return Built(task, encoding, model, positions, backend.name, train_length, lengths, eval_backends=eval_backends,
+                 backend_table=backend_table)
 
 
 def planned_encoding(cfg: DictConfig, dims: ModelDims) -> Encoding:

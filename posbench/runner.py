@@ -308,6 +308,9 @@ def run_built(cfg: DictConfig, built: Built, device: torch.device, run_dir: Path
         print(f"{info.run_name}: {info.n_params:,} parameters on {device}"
               + (f" x {info.world_size} processes" if info.world_size > 1 else "")
               + f"; evaluating lengths {built.lengths}; writing {run_dir}")
+        if built.backend_table is not None:
+            print(f"backend=auto: {built.backend} for training, by the crossover table of {built.backend_table}"
+                  + (f" (this device: {torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
     try:
         if saved is not None and "optimizer" not in saved:  # training had ended: evaluate what is missing
             built.model.load_state_dict(saved["model"])
@@ -381,7 +384,8 @@ def run_info(cfg: DictConfig, built: Built, device: torch.device, run_id: str, r
         run_name=cfg.run_name or f"{built.encoding.name}-{built.task.name}-N{built.train_length}-s{cfg.seed}",
         encoding=built.encoding.name, encoding_params=built.encoding.params(), task=built.task.name,
         task_params=built.task.params(), model=OmegaConf.to_container(cfg.model),
-        n_params=sum(p.numel() for p in built.model.parameters()), backend=built.backend, seed=int(cfg.seed),
+        n_params=sum(p.numel() for p in built.model.parameters()), backend=built.backend,
+        backend_table=built.backend_table, seed=int(cfg.seed),
         train_length=built.train_length, train_sequence_length=built.task.sequence_length(built.train_length),
         train_lengths=cfg.train.lengths, positions=built.positions.scheme, max_position=built.positions.max_position,
         device=str(device), world_size=distributed.size(), torch=torch.__version__, git_commit=git_commit(),

@@ -24,6 +24,8 @@ results/gpu/<device name>/ for docs/performance.md to read (scripts/docs_tables.
   part one call can hold) through the sweep launcher (hydra/launcher=gpus, n_jobs = concurrent), a row per
   concurrency measured (a later call at another one adds its row); `extrapolated_study_min` scales it to the
   whole study (156 runs) by the CPU's measured cost of each task against copy, and says so in `note`.
+- device.csv: `name, capability` of a CUDA device: a device without a table of its own follows the table of one of
+  the same compute capability (posbench.attention.crossover).
 
 Everything runs within --budget-s (the parts in the order given, nope and the issue's targets first among the
 encodings); what the budget leaves out is written as rows with status `not measured: budget`, never dropped.
@@ -358,12 +360,19 @@ def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
 
 
 def parent(args: argparse.Namespace) -> None:
+    import torch
+
+    from posbench.attention.crossover import DEVICE_FILE
     from posbench.build import resolve_device
 
     began = time.time()
     deadline = began + args.budget_s
     device = resolve_device(args.device)
     folder = Path(args.out) / device_slug(device_name(device))
+    if device.type == "cuda":  # what the crossover table was measured on (a device of the same capability shares it)
+        major, minor = torch.cuda.get_device_capability(device)
+        write_csv(folder / DEVICE_FILE, ["name", "capability"], [{"name": device_name(device),
+                                                                  "capability": f"{major}.{minor}"}])
     weights = {"encodings": 0.5, "default_job": 0.2, "sweep": 0.3}  # the budget's split among the parts asked for
     total = sum(weights[part] for part in args.parts)
     for part in args.parts:

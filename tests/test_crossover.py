@@ -79,11 +79,63 @@ def test_auto_takes_the_table_for_training_and_each_evaluation_length(tmp_path, 
 def test_a_run_records_the_backend_of_each_length_and_measures_what_the_rule_measures(tmp_path):
     table = write_table(tmp_path / "t.csv", ALIBI)
     common = ["debug=smoke", "device=cpu", "encoding=alibi", "eval.ratios=[1,8]", "eval.samples=16"]
-    posbench(*common, f"hydra.run.dir={tmp_path / 'table'}", env={crossover.TABLE_ENV: table})
+    printed = posbench(*common, f"hydra.run.dir={tmp_path / 'table'}", env={crossover.TABLE_ENV: table}).stdout
     posbench(*common, "backend=eager", f"hydra.run.dir={tmp_path / 'eager'}")
     by_table, by_eager = read_rows(tmp_path / "table"), read_rows(tmp_path / "eager")
     assert [(r["backend"], r["eval_backend"]) for r in by_table] == [("eager", "eager"), ("eager", "sdpa")]
     assert [(r["backend"], r["eval_backend"]) for r in by_eager] == [("eager", "eager"), ("eager", "eager")]
+    assert {r["backend_table"] for r in by_table} == {table} and {r["backend_table"] for r in by_eager} == {None}
+    assert f"backend=auto: eager for training, by the crossover table of {table}" in printed
     # the same training; sdpa and eager evaluate the same model to float differences
     assert [r["loss"] for r in by_table] == pytest.approx([r["loss"] for r in by_eager], rel=1e-5)
     assert [r["data_fingerprint"] for r in by_table] == [r["data_fingerprint"] for r in by_eager]
+
+
+def write_device(folder, rows, capability: str | None) -> None:
+    folder.mkdir(parents=True)
+    write_table(folder / crossover.TABLE_FILE, rows)
+    if capability is not None:
+        (folder / crossover.DEVICE_FILE).write_text(f"name,capability\n{folder.name},{capability}\n")
+
+
+def test_a_device_without_a_table_takes_one_of_its_compute_capability_and_no_other(tmp_path):
+    write_device(tmp_path / "gpu-b", ALIBI, "9.0")
+    write_device(tmp_path / "gpu-a", ALIBI, "8.0")
+    write_device(tmp_path / "gpu-c", ALIBI, "9.0")
+    write_device(tmp_path / "gpu-d", ALIBI, None)  # no device.csv: its own device's table only
+    own = crossover.table_for("GPU D", "9.0", tmp_path)
+    assert (own.source, own.same_device) == ("gpu-d", True)
+    shared = crossover.table_for("GPU E", "9.0", tmp_path)
+    assert (shared.path, shared.same_device) == (tmp_path / "gpu-b" / crossover.TABLE_FILE, False)  # first by name
+    assert crossover.table_for("GPU E", "8.0", tmp_path).source == "gpu-a"
+    assert crossover.table_for("GPU E", "8.6", tmp_path) is None  # another capability: auto's rule
+    assert "same compute capability" in shared.describe() and "this device" in own.describe()
+
+
+def test_an_h200_follows_the_committed_h100_table(monkeypatch):
+    """The H100's table (sm_90) is the H200's, which has none: at a few tokens alibi trains on sdpa, where the
+    rule's flex made 4-11 steps a second on an H200, and from about 1,025 tokens it evaluates on flex."""
+    monkeypatch.delenv(crossover.TABLE_ENV, raising=False)
+    monkeypatch.setattr(crossover, "cuda_identity", lambda device: ("NVIDIA H200", "9.0"))
+    built = build(compose_cfg("debug=smoke", "encoding=alibi", "eval.ratios=[1,64]"), torch.device("cpu"))
+    assert built.backend_table == "nvidia-h100-80gb-hbm3"
+    assert built.backend == "sdpa"  # 33 tokens: sdpa 6.6M tokens/s, flex 4.4M (and eager refused there)
+    assert built.eval_backends == {16: "sdpa", 1024: "flex"}  # 2,049 tokens, nearest 1,025: flex 2.11M, sdpa 1.82M
+    monkeypatch.setattr(crossover, "cuda_identity", lambda device: ("NVIDIA A100-SXM4-80GB", "8.0"))
+    assert crossover.device_table("cpu") is None  # no table of sm_80: the rule
+    monkeypatch.setattr(crossover, "cuda_identity", lambda device: ("NVIDIA H100 80GB HBM3", "9.0"))
+    assert crossover.device_table("cpu").same_device
+
+
+def test_posbench_crossover_none_keeps_the_rule(monkeypatch):
+    monkeypatch.setenv(crossover.TABLE_ENV, crossover.NO_TABLE)
+    monkeypatch.setattr(crossover, "cuda_identity", lambda device: ("NVIDIA H100 80GB HBM3", "9.0"))
+    built = build(compose_cfg("debug=smoke", "encoding=alibi", "eval.ratios=[1,64]"), torch.device("cpu"))
+    assert (built.backend, built.eval_backends, built.backend_table) == ("sdpa", {}, None)
+
+
+def test_every_committed_table_names_its_devices_compute_capability():
+    folders = [p.parent for p in crossover.TABLES.glob(f"*/{crossover.TABLE_FILE}")]
+    assert folders
+    for folder in folders:
+        assert crossover.measured_capability(folder) is not None, f"{folder} lacks {crossover.DEVICE_FILE}"

@@ -2,7 +2,10 @@
 encoding at a sequence length, and auto takes it for training (at N) and for each evaluation length.
 
 The table is scripts/gpu_measure.py's encodings.csv, committed under results/gpu/<device>/ with the
-device's name (`torch.cuda.get_device_name`, as a folder name); POSBENCH_CROSSOVER names another file.
+device's name (`torch.cuda.get_device_name`, as a folder name) beside its device.csv (name, compute capability).
+A device with no table of its own takes the table of a device of the same compute capability (an H200 the
+H100's: sm_90, the same kernels; the first such folder by name), and the run records which (`backend_table`).
+POSBENCH_CROSSOVER names another file, or `none`: auto's rule wherever it runs.
 Rows with `auto` false and status ok are the candidates: for the encoding and the training mode
 (train.compile; evaluation runs uncompiled: `eager`), at the measured token count nearest the length
 (on a log scale), the backend with the most tokens/s among those that can run the encoding here, where it
@@ -17,6 +20,7 @@ import functools
 import math
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,7 +29,9 @@ from posbench.settings import COMPILE_MODES
 
 TABLES = Path(__file__).resolve().parents[2] / "results" / "gpu"
 TABLE_FILE = "encodings.csv"
+DEVICE_FILE = "device.csv"  # name, capability ("9.0"): what a table was measured on
 TABLE_ENV = "POSBENCH_CROSSOVER"
+NO_TABLE = "none"  # POSBENCH_CROSSOVER=none: auto keeps its rule
 MARGIN = 1.05  # another backend replaces the rule's where it is measured this much faster
 # train.compile -> the table's mode
 MODES = dict(zip(COMPILE_MODES, ("eager", "compiled", "static", "graphs", "capture")))
@@ -36,14 +42,62 @@ def device_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def table_path(device: torch.device | str | None) -> Path | None:
-    """The crossover table for this device: POSBENCH_CROSSOVER, else the committed one of a CUDA device's name."""
-    if os.environ.get(TABLE_ENV):
-        return Path(os.environ[TABLE_ENV])
+@dataclass(frozen=True)
+class DeviceTable:
+    """The crossover table auto follows on a device, and whose it is."""
+    path: Path
+    source: str  # the table's folder (a device slug), or the file POSBENCH_CROSSOVER names
+    same_device: bool  # measured on this device's model; False: on another of its compute capability
+
+    def describe(self) -> str:
+        if self.same_device:
+            return f"the crossover table measured on this device ({self.source})"
+        return f"the crossover table of {self.source}, a device of the same compute capability"
+
+
+def cuda_identity(device: torch.device | str | None) -> tuple[str, str] | None:
+    """A CUDA device's name and compute capability ("9.0"), or None off CUDA."""
     if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return None
-    path = TABLES / device_slug(torch.cuda.get_device_name(torch.device(device))) / TABLE_FILE
-    return path if path.is_file() else None
+    major, minor = torch.cuda.get_device_capability(torch.device(device))
+    return torch.cuda.get_device_name(torch.device(device)), f"{major}.{minor}"
+
+
+@functools.cache
+def table_for(name: str, capability: str, tables: Path = TABLES) -> DeviceTable | None:
+    """The committed table of the device called `name`, else of the first device (by folder name) whose
+    device.csv gives the same compute capability, else None."""
+    own = tables / device_slug(name) / TABLE_FILE
+    if own.is_file():
+        return DeviceTable(own, own.parent.name, True)
+    for folder in sorted(path for path in tables.glob("*") if (path / TABLE_FILE).is_file()):
+        if measured_capability(folder) == capability:
+            return DeviceTable(folder / TABLE_FILE, folder.name, False)
+    return None
+
+
+def measured_capability(folder: Path) -> str | None:
+    """The compute capability a table's device.csv records, or None without one."""
+    try:
+        with (folder / DEVICE_FILE).open(newline="") as handle:
+            return next(csv.DictReader(handle), {}).get("capability")
+    except FileNotFoundError:
+        return None
+
+
+def device_table(device: torch.device | str | None) -> DeviceTable | None:
+    """The crossover table for this device: POSBENCH_CROSSOVER's file (none: no table), else a CUDA device's
+    committed one (table_for)."""
+    named = os.environ.get(TABLE_ENV)
+    if named:
+        return None if named == NO_TABLE else DeviceTable(Path(named), named, True)
+    identity = cuda_identity(device)
+    return table_for(*identity) if identity else None
+
+
+def has_rows(path: Path, encoding: str) -> bool:
+    """The table measured `encoding` in some mode (else auto keeps its rule for it)."""
+    return any(name == encoding for name, _ in read_table(path))
 
 
 @functools.cache

@@ -92,9 +92,9 @@ def measured_backend(name: str, encoding: Encoding, device, tokens: int, compile
         refusal = fla_refusal(on_cuda(device), encoding)
         if refusal:
             raise ValueError(refusal)
-    path = crossover.table_path(device) if name == "auto" else None
-    if path is None:
+    table = crossover.device_table(device) if name == "auto" else None
+    if table is None:
         return chosen
-    fastest = crossover.fastest(path, encoding.name, compile_mode if training else False, tokens,
+    fastest = crossover.fastest(table.path, encoding.name, compile_mode if training else False, tokens,
                                 runnable(encoding, device, training, dynamic_compile, windowed), chosen.name)
     return BACKENDS[fastest]() if fastest else chosen
