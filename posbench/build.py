@@ -133,9 +133,9 @@ def plan_run(cfg: DictConfig, device: torch.device) -> Built:
     windowed = model_cfg.window is not None
     backend = measured_backend(cfg.backend.name, encoding, device, task.sequence_length(train_length),
                                cfg.train.compile, trains, windowed)
-    eval_backends = {}  # auto by a crossover table: each evaluation length its own (posbench.attention.crossover)
+    eval_backends = {}  # auto by a crossover table, or on CUDA by length: each evaluation length its own
     table = crossover.device_table(device) if cfg.backend.name == "auto" else None
-    if table is not None:
+    if cfg.backend.name == "auto" and (table is not None or device.type == "cuda"):
         eval_backends = {length: measured_backend("auto", encoding, device, task.sequence_length(length),
                                                   training=False, windowed=windowed).name for length in lengths}
     if cfg.train.compile == "capture" and trains and (refusal := capture_refusal(train_length, cfg.train.lengths)):

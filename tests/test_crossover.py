@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from posbench.attention import crossover
-from posbench.attention.select import runnable
-from posbench.build import build
+from posbench.attention.select import FLEX_FROM_TOKENS, measured_backend, runnable
+from posbench.build import build, plan_run
 from tests.helpers import compose_cfg, make_encoding, posbench, read_rows
 
 FIELDS = ["encoding", "backend", "mode", "tokens", "tokens_per_s", "vs_nope", "auto", "batch_size", "status"]
@@ -139,3 +139,23 @@ def test_every_committed_table_names_its_devices_compute_capability():
     assert folders
     for folder in folders:
         assert crossover.measured_capability(folder) is not None, f"{folder} lacks {crossover.DEVICE_FILE}"
+
+
+def test_without_a_table_auto_on_cuda_takes_flex_from_flex_from_tokens_and_sdpa_below(monkeypatch):
+    """The rule by length (planned for CUDA on the meta device: nothing runs there): alibi trains on sdpa at
+    129 tokens and evaluates on flex from 513; kerple trains on sdpa at any length; t5 has no flex at all."""
+    monkeypatch.setenv(crossover.TABLE_ENV, crossover.NO_TABLE)
+    cuda = torch.device("cuda")
+    alibi = make_encoding("alibi", d_model=32)
+    assert measured_backend("auto", alibi, cuda, FLEX_FROM_TOKENS - 1).name == "sdpa"
+    assert measured_backend("auto", alibi, cuda, FLEX_FROM_TOKENS).name == "flex"
+    assert measured_backend("flex", alibi, cuda, 33).name == "flex"  # named outright: kept
+    assert measured_backend("auto", alibi, "cpu", 4096).name == "sdpa"  # the CPU: sdpa at every length
+    short = plan_run(compose_cfg("encoding=alibi", "train.length=64", "eval.ratios=[1,4,16]"), cuda)
+    assert (short.backend, short.eval_backends) == ("sdpa", {64: "sdpa", 256: "flex", 1024: "flex"})
+    long = plan_run(compose_cfg("encoding=alibi", "train.length=256", "eval.ratios=[1]"), cuda)
+    assert (long.backend, long.eval_backends) == ("flex", {256: "flex"})
+    kerple = plan_run(compose_cfg("encoding=kerple", "train.length=256", "eval.ratios=[1,4]"), cuda)
+    assert (kerple.backend, kerple.eval_backends) == ("sdpa", {256: "flex", 1024: "flex"})
+    t5 = plan_run(compose_cfg("encoding=t5", "train.length=256", "eval.ratios=[1,4]"), cuda)
+    assert (t5.backend, set(t5.eval_backends.values())) == ("sdpa", {"sdpa"})

@@ -14,6 +14,12 @@ from posbench.encodings.base import Encoding
 from posbench.hooks import EAGER, FLA, FLEX, SDPA
 from posbench.settings import BACKEND_CHOICES
 
+# auto's rule on CUDA: flex for a bias or decay from this many tokens, sdpa below. On an H100 sdpa trained alibi,
+# fox, sandwich and kerple faster than flex at 33 and 257 tokens (alibi 0.91 and 0.71 of nope against 0.60 and
+# 0.51), alibi's flex led from 1,025 (0.57 against 0.50) and fox's sdpa still led there (0.49 against 0.44); on an
+# H200 alibi's flex runs at up to 33 tokens made 4-11 steps a second where sdpa's made about 50. A crossover
+# table measured on the device (or on one of its compute capability) decides in place of this rule.
+FLEX_FROM_TOKENS = 512
 BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (EagerBackend, SdpaBackend, FlexBackend,
                                                                  FlaBackend)}
 
@@ -80,10 +86,13 @@ def runnable(encoding: Encoding, device, training: bool, dynamic_compile: bool, 
 def measured_backend(name: str, encoding: Encoding, device, tokens: int, compile_mode=False, training: bool = True,
                      windowed: bool = False) -> Backend:
     """The backend for `tokens` tokens: `auto` takes the crossover table's fastest where the device has a
-    table with the encoding in it (posbench.attention.crossover), else its rule (get_backend); a backend
+    table with the encoding in it (posbench.attention.crossover), else its rule (get_backend, with sdpa in
+    place of flex below FLEX_FROM_TOKENS); a backend
     named outright is that backend. Evaluation runs uncompiled: compile_mode applies to training only."""
     dynamic_compile = training and compile_mode is True
     chosen = get_backend(name, encoding, device, dynamic_compile=dynamic_compile, training=training)
+    if name == "auto" and chosen.name == FLEX and tokens < FLEX_FROM_TOKENS:
+        chosen = SdpaBackend()  # flex's fixed cost per call outweighs its savings on short sequences
     if chosen.name == FLEX:  # named outright (auto takes flex only where it runs): refused before training
         refusal = flex_refusal(encoding, head_dim(encoding), on_cuda(device), training, dynamic_compile)
         if refusal:
