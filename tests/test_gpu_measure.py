@@ -124,3 +124,25 @@ def test_the_plan_measures_a_bias_or_decay_on_the_named_backends_only():
     refused = subprocess.run([sys.executable, str(SCRIPT), "--backends", "sdpa,triton"], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "--backends: unknown ['triton']" in refused.stderr
+
+
+def test_a_cuda_devices_folder_records_its_name_and_compute_capability(tmp_path, monkeypatch):
+    """device.csv, written first on CUDA (before any part runs): what a device of the same capability reads to
+    follow this folder's crossover table (posbench.attention.crossover.table_for)."""
+    import torch
+
+    from posbench import build
+    from posbench.attention import crossover
+
+    spec = importlib.util.spec_from_file_location("gpu_measure", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(build, "resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    module.main(["--parts", "", "--out", str(tmp_path)])
+    assert read(tmp_path, crossover.DEVICE_FILE) == [{"name": "NVIDIA H200", "capability": "9.0"}]
+    found = crossover.table_for("NVIDIA H200", "9.0", tmp_path)
+    assert found is None  # a device folder without encodings.csv is no table
+    (tmp_path / "nvidia-h200" / crossover.TABLE_FILE).write_text("encoding,backend,mode,tokens,tokens_per_s\n")
+    assert crossover.table_for("NVIDIA H200 NVL", "9.0", tmp_path).source == "nvidia-h200"
