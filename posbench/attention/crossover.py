@@ -49,11 +49,6 @@ class DeviceTable:
     source: str  # the table's folder (a device slug), or the file POSBENCH_CROSSOVER names
     same_device: bool  # measured on this device's model; False: on another of its compute capability
 
-    def describe(self) -> str:
-        if self.same_device:
-            return f"the crossover table measured on this device ({self.source})"
-        return f"the crossover table of {self.source}, a device of the same compute capability"
-
 
 def cuda_identity(device: torch.device | str | None) -> tuple[str, str] | None:
     """A CUDA device's name and compute capability ("9.0"), or None off CUDA."""

@@ -14,12 +14,13 @@ from posbench.encodings.base import Encoding
 from posbench.hooks import EAGER, FLA, FLEX, SDPA
 from posbench.settings import BACKEND_CHOICES
 
-# auto's rule on CUDA: flex for a bias or decay from this many tokens, sdpa below. On an H100 sdpa trained alibi,
-# fox, sandwich and kerple faster than flex at 33 and 257 tokens (alibi 0.91 and 0.71 of nope against 0.60 and
-# 0.51), alibi's flex led from 1,025 (0.57 against 0.50) and fox's sdpa still led there (0.49 against 0.44); on an
-# H200 alibi's flex runs at up to 33 tokens made 4-11 steps a second where sdpa's made about 50. A crossover
-# table measured on the device (or on one of its compute capability) decides in place of this rule.
-FLEX_FROM_TOKENS = 512
+# auto's rule on CUDA: flex for a bias or decay from this many tokens, sdpa below. On an H100 (training, eager,
+# tokens/s against nope) flex overtook sdpa between 257 and 1,025 tokens for alibi (0.51 against 0.71 at 257, 0.57
+# against 0.50 at 1,025), between 1,025 and 4,097 for fox (0.41 against 0.49; 0.38 against 0.36) and between 4,097
+# and 8,193 for sandwich (0.46 against 0.50; 0.49 against 0.44): this is the middle crossover. On an H200 alibi's
+# flex runs at up to 33 tokens made 4-11 steps a second where the sdpa encodings' made about 50 (15 runs sharing
+# it). A crossover table measured on the device (or on one of its compute capability) decides in place of this.
+FLEX_FROM_TOKENS = 2048
 BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (EagerBackend, SdpaBackend, FlexBackend,
                                                                  FlaBackend)}
 
