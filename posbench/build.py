@@ -82,7 +82,7 @@ class Built:
     untrained: bool = False  # train.steps=0 without train.init_from: the fresh initialisation is evaluated
     guard: GuardResult | None = None  # evaluation batch sizes the memory guard allows (posbench.guard)
     eval_backends: dict[int, str] = field(default_factory=dict)  # length -> auto's choice there, where measured
-    backend_table: str | None = None  # the crossover table auto chose by (a device folder), None: its rule
+    backend_table: str | None = None  # the crossover tables auto chose by (device folders, +), None: its rule
 
     def backend_at(self, length: int) -> str:
         """The backend that evaluates `length` (the training backend unless a crossover table chose)."""
@@ -150,7 +150,7 @@ def plan_run(cfg: DictConfig, device: torch.device) -> Built:
         model = Transformer(model_cfg, encoding, backend)
     if task.memory:  # evaluation with segment recurrence: refuse before training
         model.check_recurrent()
-    backend_table = table.source if table is not None and crossover.has_rows(table.path, encoding.name) else None
+    backend_table = table.source if table is not None and crossover.has_rows(table.paths, encoding.name) else None
     return Built(task, encoding, model, positions, backend.name, train_length, lengths, eval_backends=eval_backends,
                  backend_table=backend_table)
 

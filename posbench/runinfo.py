@@ -109,7 +109,7 @@ class RunInfo:
     model: dict
     n_params: int
     backend: str  # the one used (backend=auto resolved)
-    backend_table: str | None  # the crossover table auto followed (a results/gpu/ device folder), None: its rule
+    backend_table: str | None  # the crossover tables auto followed (results/gpu/ folders, +), None: its rule
     seed: int
     train_length: int
     train_sequence_length: int

@@ -309,7 +309,7 @@ def run_built(cfg: DictConfig, built: Built, device: torch.device, run_dir: Path
               + (f" x {info.world_size} processes" if info.world_size > 1 else "")
               + f"; evaluating lengths {built.lengths}; writing {run_dir}")
         if built.backend_table is not None:
-            print(f"backend=auto: {built.backend} for training, by the crossover table of {built.backend_table}"
+            print(f"backend=auto: {built.backend} for training, by the crossover measurements of {built.backend_table}"
                   + (f" (this device: {torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
     try:
         if saved is not None and "optimizer" not in saved:  # training had ended: evaluate what is missing

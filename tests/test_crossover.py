@@ -15,13 +15,14 @@ FIELDS = ["encoding", "backend", "mode", "tokens", "tokens_per_s", "vs_nope", "a
 
 
 def write_table(path, rows) -> str:
+    """rows: (encoding, backend, mode, tokens, tokens/s against nope's[, auto, status])."""
     with open(path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=FIELDS)
         writer.writeheader()
         for encoding, backend, mode, tokens, speed, *rest in rows:
             auto, status = rest if rest else (False, "ok")
             writer.writerow({"encoding": encoding, "backend": backend, "mode": mode, "tokens": tokens,
-                             "tokens_per_s": speed, "vs_nope": "", "auto": auto, "batch_size": 1, "status": status})
+                             "tokens_per_s": 1000 * speed, "vs_nope": speed, "auto": auto, "batch_size": 1, "status": status})
     crossover.read_table.cache_clear()
     return str(path)
 
@@ -35,24 +36,24 @@ ALIBI = [("alibi", "eager", "eager", 33, 300.0), ("alibi", "sdpa", "eager", 33, 
 
 def test_the_fastest_at_the_nearest_measured_length_among_the_backends_that_run_here(tmp_path):
     path = write_table(tmp_path / "t.csv", ALIBI)
-    assert crossover.fastest(path, "alibi", False, 40, ["sdpa", "eager"]) == "eager"
-    assert crossover.fastest(path, "alibi", False, 65, ["sdpa", "eager"]) == "eager"  # nearer 33 than 257 (log)
-    assert crossover.fastest(path, "alibi", False, 100, ["sdpa", "eager"]) == "sdpa"
-    assert crossover.fastest(path, "alibi", False, 10000, ["sdpa", "eager"]) == "sdpa"
-    assert crossover.fastest(path, "alibi", False, 33, ["sdpa"]) == "sdpa"  # eager cannot run here: not taken
-    assert crossover.fastest(path, "alibi", True, 33, ["sdpa", "eager"]) == "sdpa"  # train.compile=true's rows
-    assert crossover.fastest(path, "alibi", "static", 33, ["sdpa", "eager"]) is None  # no row: auto's rule
-    assert crossover.fastest(path, "t5", False, 33, ["sdpa", "eager"]) is None
+    assert crossover.fastest((path,), "alibi", False, 40, ["sdpa", "eager"]) == "eager"
+    assert crossover.fastest((path,), "alibi", False, 65, ["sdpa", "eager"]) == "eager"  # nearer 33 than 257 (log)
+    assert crossover.fastest((path,), "alibi", False, 100, ["sdpa", "eager"]) == "sdpa"
+    assert crossover.fastest((path,), "alibi", False, 10000, ["sdpa", "eager"]) == "sdpa"
+    assert crossover.fastest((path,), "alibi", False, 33, ["sdpa"]) == "sdpa"  # eager cannot run here: not taken
+    assert crossover.fastest((path,), "alibi", True, 33, ["sdpa", "eager"]) == "sdpa"  # train.compile=true's rows
+    assert crossover.fastest((path,), "alibi", "static", 33, ["sdpa", "eager"]) is None  # no row: auto's rule
+    assert crossover.fastest((path,), "t5", False, 33, ["sdpa", "eager"]) is None
 
 
 def test_the_rules_backend_stays_unless_another_is_measured_clearly_faster(tmp_path):
     lead = crossover.MARGIN * 200.0
     path = write_table(tmp_path / "t.csv", [("t5", "eager", "eager", 33, lead), ("t5", "sdpa", "eager", 33, 200.0),
                                             ("t5", "eager", "eager", 257, lead + 1), ("t5", "sdpa", "eager", 257, 200.0)])
-    assert crossover.fastest(path, "t5", False, 33, ["sdpa", "eager"], rule="sdpa") == "sdpa"  # within the margin
-    assert crossover.fastest(path, "t5", False, 257, ["sdpa", "eager"], rule="sdpa") == "eager"  # past it
-    assert crossover.fastest(path, "t5", False, 33, ["sdpa", "eager"]) == "eager"  # no rule: the fastest
-    assert crossover.fastest(path, "t5", False, 33, ["sdpa", "eager"], rule="flex") == "eager"  # rule unmeasured
+    assert crossover.fastest((path,), "t5", False, 33, ["sdpa", "eager"], rule="sdpa") == "sdpa"  # within the margin
+    assert crossover.fastest((path,), "t5", False, 257, ["sdpa", "eager"], rule="sdpa") == "eager"  # past it
+    assert crossover.fastest((path,), "t5", False, 33, ["sdpa", "eager"]) == "eager"  # no rule: the fastest
+    assert crossover.fastest((path,), "t5", False, 33, ["sdpa", "eager"], rule="flex") == "eager"  # rule unmeasured
 
 
 def test_flex_runs_evaluation_only_on_the_cpu_and_never_inside_dynamic_shapes():
@@ -85,7 +86,7 @@ def test_a_run_records_the_backend_of_each_length_and_measures_what_the_rule_mea
     assert [(r["backend"], r["eval_backend"]) for r in by_table] == [("eager", "eager"), ("eager", "sdpa")]
     assert [(r["backend"], r["eval_backend"]) for r in by_eager] == [("eager", "eager"), ("eager", "eager")]
     assert {r["backend_table"] for r in by_table} == {table} and {r["backend_table"] for r in by_eager} == {None}
-    assert f"backend=auto: eager for training, by the crossover table of {table}" in printed
+    assert f"backend=auto: eager for training, by the crossover measurements of {table}" in printed
     # the same training; sdpa and eager evaluate the same model to float differences
     assert [r["loss"] for r in by_table] == pytest.approx([r["loss"] for r in by_eager], rel=1e-5)
     assert [r["data_fingerprint"] for r in by_table] == [r["data_fingerprint"] for r in by_eager]
@@ -98,17 +99,38 @@ def write_device(folder, rows, capability: str | None) -> None:
         (folder / crossover.DEVICE_FILE).write_text(f"name,capability\n{folder.name},{capability}\n")
 
 
-def test_a_device_without_a_table_takes_one_of_its_compute_capability_and_no_other(tmp_path):
+def test_a_device_reads_its_own_table_then_those_of_its_compute_capability_and_no_other(tmp_path):
     write_device(tmp_path / "gpu-b", ALIBI, "9.0")
     write_device(tmp_path / "gpu-a", ALIBI, "8.0")
     write_device(tmp_path / "gpu-c", ALIBI, "9.0")
     write_device(tmp_path / "gpu-d", ALIBI, None)  # no device.csv: its own device's table only
     own = crossover.table_for("GPU D", "9.0", tmp_path)
-    assert (own.source, own.same_device) == ("gpu-d", True)
+    assert (own.source, own.same_device) == ("gpu-d+gpu-b+gpu-c", True)
     shared = crossover.table_for("GPU E", "9.0", tmp_path)
-    assert (shared.path, shared.same_device) == (tmp_path / "gpu-b" / crossover.TABLE_FILE, False)  # first by name
+    assert (shared.source, shared.same_device) == ("gpu-b+gpu-c", False)  # every one of its capability, by name
+    assert shared.paths == (tmp_path / "gpu-b" / crossover.TABLE_FILE, tmp_path / "gpu-c" / crossover.TABLE_FILE)
+    assert crossover.table_for("GPU C", "9.0", tmp_path).source == "gpu-c+gpu-b"  # its own first
     assert crossover.table_for("GPU E", "8.0", tmp_path).source == "gpu-a"
     assert crossover.table_for("GPU E", "8.6", tmp_path) is None  # another capability: auto's rule
+
+
+def test_a_devices_own_rows_stand_and_another_tables_fill_what_it_did_not_measure(tmp_path):
+    """A first call on a device measured sdpa alone: flex's rows come from a device of its capability, compared
+    by their ratios to nope (each call's own nope), not by tokens/s."""
+    own = write_table(tmp_path / "own.csv", [
+        ("alibi", "sdpa", "eager", 33, 0.9), ("alibi", "sdpa", "eager", 8193, 0.3),
+        ("alibi", "flex", "eager", 8193, 0.2, False, "failed: out of time")])
+    other = write_table(tmp_path / "other.csv", [
+        ("alibi", "sdpa", "eager", 33, 0.1), ("alibi", "flex", "eager", 33, 0.6),
+        ("alibi", "sdpa", "eager", 8193, 0.9), ("alibi", "flex", "eager", 8193, 0.6)])
+    both = (own, other)
+    assert crossover.fastest(both, "alibi", False, 33, ["sdpa", "flex"]) == "sdpa"  # its own 0.9 over 0.6
+    assert crossover.fastest(both, "alibi", False, 8192, ["sdpa", "flex"]) == "flex"  # its sdpa 0.3, the other's flex
+    assert crossover.fastest((other, own), "alibi", False, 8192, ["sdpa", "flex"]) == "sdpa"  # the first file stands
+    with open(own, "a") as handle:  # a row without nope's ratio (nope failed in its call) is no candidate
+        handle.write("alibi,eager,eager,33,9999999,,False,1,ok\n")
+    crossover.read_table.cache_clear()
+    assert crossover.fastest(both, "alibi", False, 33, ["sdpa", "flex", "eager"]) == "sdpa"
 
 
 def test_an_h200_follows_the_committed_h100_table(monkeypatch):

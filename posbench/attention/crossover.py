@@ -3,15 +3,17 @@ encoding at a sequence length, and auto takes it for training (at N) and for eac
 
 The table is scripts/gpu_measure.py's encodings.csv, committed under results/gpu/<device>/ with the
 device's name (`torch.cuda.get_device_name`, as a folder name) beside its device.csv (name, compute capability).
-A device with no table of its own takes the table of a device of the same compute capability (an H200 the
-H100's: sm_90, the same kernels; the first such folder by name), and the run records which (`backend_table`).
-POSBENCH_CROSSOVER names another file, or `none`: auto's rule wherever it runs.
-Rows with `auto` false and status ok are the candidates: for the encoding and the training mode
-(train.compile; evaluation runs uncompiled: `eager`), at the measured token count nearest the length
-(on a log scale), the backend with the most tokens/s among those that can run the encoding here, where it
-beats the rule's backend by more than MARGIN (a closer lead is within the noise of one measurement: on an
-H100, t5's eager at 33 tokens led sdpa by 0.8%). With no table for the device, or no row for the encoding,
-auto keeps its rule (posbench.attention.select).
+A device reads its own table and, for what that lacks, the tables of devices of the same compute capability (an
+H200 the H100's: sm_90, the same kernels; by folder name): a row (encoding, mode, tokens, backend) of the first
+table that has it. The run records which tables (`backend_table`). POSBENCH_CROSSOVER names one file instead, or
+`none`: auto's rule wherever it runs.
+Rows with `auto` false, status ok and a ratio to nope are the candidates: for the encoding and the training mode
+(train.compile; evaluation runs uncompiled: `eager`), at the measured token count nearest the length (on a log
+scale), the backend with the highest tokens/s against nope's (`vs_nope`: nope measured in the same call, so rows of
+other calls and devices compare) among those that can run the encoding here, where it beats the rule's backend by
+more than MARGIN (a closer lead is within the noise of one measurement: on an H100, t5's eager at 33 tokens led
+sdpa by 0.8%). With no table for the device, or no row for the encoding, auto keeps its rule
+(posbench.attention.select).
 """
 from __future__ import annotations
 
@@ -44,10 +46,10 @@ def device_slug(name: str) -> str:
 
 @dataclass(frozen=True)
 class DeviceTable:
-    """The crossover table auto follows on a device, and whose it is."""
-    path: Path
-    source: str  # the table's folder (a device slug), or the file POSBENCH_CROSSOVER names
-    same_device: bool  # measured on this device's model; False: on another of its compute capability
+    """The crossover tables auto follows on a device, and whose they are."""
+    paths: tuple[Path, ...]  # the device's own first (where it has one), then those of its compute capability
+    source: str  # their folders (device slugs) joined by "+", or the file POSBENCH_CROSSOVER names
+    same_device: bool  # the first was measured on this device's model
 
 
 def cuda_identity(device: torch.device | str | None) -> tuple[str, str] | None:
@@ -60,15 +62,15 @@ def cuda_identity(device: torch.device | str | None) -> tuple[str, str] | None:
 
 @functools.cache
 def table_for(name: str, capability: str, tables: Path = TABLES) -> DeviceTable | None:
-    """The committed table of the device called `name`, else of the first device (by folder name) whose
-    device.csv gives the same compute capability, else None."""
+    """The committed table of the device called `name`, then those of every other device (by folder name) whose
+    device.csv gives the same compute capability; None where there is neither."""
     own = tables / device_slug(name) / TABLE_FILE
-    if own.is_file():
-        return DeviceTable(own, own.parent.name, True)
-    for folder in sorted(path for path in tables.glob("*") if (path / TABLE_FILE).is_file()):
-        if measured_capability(folder) == capability:
-            return DeviceTable(folder / TABLE_FILE, folder.name, False)
-    return None
+    paths = [own] if own.is_file() else []
+    paths += [folder / TABLE_FILE for folder in sorted(tables.glob("*"))
+              if folder != own.parent and (folder / TABLE_FILE).is_file() and measured_capability(folder) == capability]
+    if not paths:
+        return None
+    return DeviceTable(tuple(paths), "+".join(path.parent.name for path in paths), own.is_file())
 
 
 def measured_capability(folder: Path) -> str | None:
@@ -81,38 +83,40 @@ def measured_capability(folder: Path) -> str | None:
 
 
 def device_table(device: torch.device | str | None) -> DeviceTable | None:
-    """The crossover table for this device: POSBENCH_CROSSOVER's file (none: no table), else a CUDA device's
-    committed one (table_for)."""
+    """The crossover tables for this device: POSBENCH_CROSSOVER's file (none: no table), else a CUDA device's
+    committed ones (table_for)."""
     named = os.environ.get(TABLE_ENV)
     if named:
-        return None if named == NO_TABLE else DeviceTable(Path(named), named, True)
+        return None if named == NO_TABLE else DeviceTable((Path(named),), named, True)
     identity = cuda_identity(device)
     return table_for(*identity) if identity else None
 
 
-def has_rows(path: Path, encoding: str) -> bool:
-    """The table measured `encoding` in some mode (else auto keeps its rule for it)."""
-    return any(name == encoding for name, _ in read_table(path))
+def has_rows(paths: tuple[Path, ...], encoding: str) -> bool:
+    """The tables measured `encoding` in some mode (else auto keeps its rule for it)."""
+    return any(name == encoding for name, _ in read_table(paths))
 
 
 @functools.cache
-def read_table(path: Path) -> dict[tuple[str, str], dict[int, dict[str, float]]]:
-    """(encoding, mode) -> tokens -> backend -> tokens/s, from the measured rows of a backend named outright."""
+def read_table(paths: tuple[Path, ...]) -> dict[tuple[str, str], dict[int, dict[str, float]]]:
+    """(encoding, mode) -> tokens -> backend -> tokens/s against nope's, from the measured rows of a backend named
+    outright; a row of an earlier file stands over the same row of a later one."""
     table: dict[tuple[str, str], dict[int, dict[str, float]]] = {}
-    with Path(path).open(newline="") as handle:
-        for row in csv.DictReader(handle):
-            if row.get("status") != "ok" or row.get("auto", "False") == "True":
-                continue
-            speeds = table.setdefault((row["encoding"], row["mode"]), {}).setdefault(int(row["tokens"]), {})
-            speeds[row["backend"]] = float(row["tokens_per_s"])
+    for path in paths:
+        with Path(path).open(newline="") as handle:
+            for row in csv.DictReader(handle):
+                if row.get("status") != "ok" or row.get("auto", "False") == "True" or not row.get("vs_nope"):
+                    continue
+                ratios = table.setdefault((row["encoding"], row["mode"]), {}).setdefault(int(row["tokens"]), {})
+                ratios.setdefault(row["backend"], float(row["vs_nope"]))
     return table
 
 
-def fastest(path: Path, encoding: str, compile_mode, tokens: int, candidates: list[str],
+def fastest(paths: tuple[Path, ...], encoding: str, compile_mode, tokens: int, candidates: list[str],
             rule: str | None = None) -> str | None:
     """The candidate measured fastest for `encoding` in `compile_mode` at the measured length nearest
-    `tokens`, or the `rule`'s backend where none beats it by MARGIN; None where the table has no row for it."""
-    by_length = read_table(path).get((encoding, MODES[compile_mode]), {})
+    `tokens`, or the `rule`'s backend where none beats it by MARGIN; None where the tables have no row for it."""
+    by_length = read_table(tuple(paths)).get((encoding, MODES[compile_mode]), {})
     usable = {n: {b: s for b, s in speeds.items() if b in candidates} for n, speeds in by_length.items()}
     usable = {n: speeds for n, speeds in usable.items() if speeds}
     if not usable:

@@ -105,6 +105,6 @@ def measured_backend(name: str, encoding: Encoding, device, tokens: int, compile
     table = crossover.device_table(device) if name == "auto" else None
     if table is None:
         return chosen
-    fastest = crossover.fastest(table.path, encoding.name, compile_mode if training else False, tokens,
+    fastest = crossover.fastest(table.paths, encoding.name, compile_mode if training else False, tokens,
                                 runnable(encoding, device, training, dynamic_compile, windowed), chosen.name)
     return BACKENDS[fastest]() if fastest else chosen
