@@ -75,10 +75,12 @@ run)
             timeout "$costs_s" python3 scripts/attention_costs.py --budget-s $(( costs_s - 30 )) \
                 --out "$OUT/attention_costs.csv" 2>&1 | tee "$OUT/attention_costs.log" | tail -n 5 ;;
         tests)  # the CUDA checks of capture and the compile modes (never reached in 2026-11-27's calls: first now), the
-            # launcher's pinning, the data path and device memory; 8 workers (pyproject's addopts cap them at 4)
+            # crossover tables this device reads (an H200 the H100's), the launcher's pinning, the data path and device
+            # memory; 8 workers (pyproject's addopts cap them at 4)
             POSBENCH_FAILURE_LOG="$OUT/test_failures.log" timeout "$(within "${GPU_TESTS_S:-130}")" \
                 python3 -m pytest -v -p no:randomly -n 8 --maxprocesses=8 -p no:cacheprovider \
                 tests/test_cuda.py::test_the_captured_step_trains_on_cuda_to_the_uncompiled_losses \
+                tests/test_cuda.py::test_auto_on_this_device_reads_its_tables_by_name_and_compute_capability \
                 tests/test_cuda.py::test_sdpa_with_the_decay_padded_to_a_multiple_of_8_gives_the_cpu_reference \
                 tests/test_cuda.py::test_fla_gives_the_cpu_reference \
                 tests/test_cuda.py::test_posbenchs_kernels_give_the_cpu_reference \

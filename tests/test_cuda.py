@@ -152,3 +152,21 @@ def test_the_captured_step_trains_on_cuda_to_the_uncompiled_losses(encoding, bac
         rows[compile_mode] = read_rows(tmp_path / compile_mode)
         assert [r["status"] for r in rows[compile_mode]] == ["ok", "ok"]
     assert [r["loss"] for r in rows["capture"]] == pytest.approx([r["loss"] for r in rows["false"]], rel=1e-4)
+
+
+def test_auto_on_this_device_reads_its_tables_by_name_and_compute_capability(tmp_path):
+    """The device's name and capability as torch reads them pick the committed tables (its own, then those of its
+    capability: an H200 the H100's), and a run names them in its rows and its first lines."""
+    from posbench.attention import crossover
+
+    major, minor = torch.cuda.get_device_capability(CUDA)
+    table = crossover.table_for(torch.cuda.get_device_name(CUDA), f"{major}.{minor}")
+    if (major, minor) == (9, 0):  # Hopper: the H100's table is committed
+        assert table is not None and "nvidia-h100-80gb-hbm3" in table.source.split("+")
+    printed = posbench("encoding=alibi", "debug=smoke", "device=cuda", "train.steps=2", f"hydra.run.dir={tmp_path}",
+                       env={crossover.TABLE_ENV: ""}).stdout  # the committed tables, whatever the caller set
+    rows = read_rows(tmp_path)
+    assert {row["backend_table"] for row in rows} == {table.source if table else None}
+    assert (f"by the crossover measurements of {table.source}" in printed) == (table is not None)
+    if table is None or table.source == "nvidia-h100-80gb-hbm3":  # the rule or the H100's: sdpa at 33 and 65 tokens
+        assert {(row["backend"], row["eval_backend"]) for row in rows} == {("sdpa", "sdpa")}
