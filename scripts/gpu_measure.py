@@ -24,8 +24,8 @@ results/gpu/<device name>/ for docs/performance.md to read (scripts/docs_tables.
   part one call can hold) through the sweep launcher (hydra/launcher=gpus, n_jobs = concurrent), a row per
   concurrency measured (a later call at another one adds its row); `extrapolated_study_min` scales it to the
   whole study (156 runs) by the CPU's measured cost of each task against copy, and says so in `note`.
-- device.csv: `name, capability` of a CUDA device: a device without a table of its own follows the table of one of
-  the same compute capability (posbench.attention.crossover).
+- device.csv: `name, capability` of a CUDA device: a device of the same compute capability reads this folder's
+  encodings.csv for the rows its own table lacks (posbench.attention.crossover).
 
 Everything runs within --budget-s (the parts in the order given, nope and the issue's targets first among the
 encodings); what the budget leaves out is written as rows with status `not measured: budget`, never dropped.
@@ -369,7 +369,7 @@ def parent(args: argparse.Namespace) -> None:
     deadline = began + args.budget_s
     device = resolve_device(args.device)
     folder = Path(args.out) / device_slug(device_name(device))
-    if device.type == "cuda":  # what the crossover table was measured on (a device of the same capability shares it)
+    if device.type == "cuda":  # what the crossover table was measured on (devices of its capability read it)
         major, minor = torch.cuda.get_device_capability(device)
         write_csv(folder / DEVICE_FILE, ["name", "capability"], [{"name": device_name(device),
                                                                   "capability": f"{major}.{minor}"}])
