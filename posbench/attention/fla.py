@@ -165,7 +165,7 @@ class FlaBackend(Backend):
         owner = kernel_owner(encoding)
         if encoding.fla_kernel == "cope":
             return cope_attention(q, k, v, owner.scaled_table(call.layer, k.shape[-2]), scale, True)  # [B, H, L, d]
-        if (fire := fire_part(encoding.at(call.layer) if hasattr(encoding, "at") else encoding)) is not None:
+        if (fire := fire_part(encoding.at(call.layer))) is not None:
             inputs = fire.kernel_inputs(call.q_pos, call.k_pos, call.layer)
             return fire_attention(q, k, v, *inputs, call.q_pos, call.k_pos, scale)  # [B, H, L, d]
         if "bias" in encoding.hooks:

@@ -159,6 +159,10 @@ class Encoding(nn.Module):
     def logit_scale(self, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
 
+    def at(self, layer: int) -> Encoding:
+        """The encoding that runs in `layer`: itself (a schedule's is one of its entries)."""
+        return self
+
     def extra_memory(self, layer: int, shape: LayerShape) -> float:
         """Bytes this encoding's hooks hold at once in `layer` beyond what posbench.guard counts for their kinds
         (the backend's logits, mask and softmax; a bias; q, k and v): its own [B, H, Lq, Lk] tensors and tables
