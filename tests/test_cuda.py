@@ -138,20 +138,25 @@ def test_a_compiled_mode_trains_on_cuda_to_the_uncompiled_losses(encoding, mode,
     assert losses[mode] == pytest.approx(losses["false"], rel=1e-3)
 
 
-@pytest.mark.parametrize("encoding,backend", [("rope", "auto"), ("alibi", "auto"), ("cope", "auto"), ("drope", "auto"),
-                                              ("cope", "fla"), ("kerple", "fla")])
-def test_the_captured_step_trains_on_cuda_to_the_uncompiled_losses(encoding, backend, tmp_path):
+@pytest.mark.parametrize("encoding,backend,precision", [
+    ("rope", "auto", "fp32"), ("alibi", "auto", "fp32"), ("cope", "auto", "fp32"), ("drope", "auto", "fp32"),
+    ("cope", "fla", "fp32"), ("kerple", "fla", "fp32"), ("rope", "auto", "bf16")])
+def test_the_captured_step_trains_on_cuda_to_the_uncompiled_losses(encoding, backend, precision, tmp_path):
     """train.compile=capture: a CUDA graph per training length (uniform lengths: several shapes) and, for drope,
     per phase (the drop at half the steps), replayed; the same losses as the uncompiled run on the GPU. On fla,
-    posbench's CoPE and relative bias kernels (the bias rows over the training offsets: no read on the host)."""
+    posbench's CoPE and relative bias kernels (the bias rows over the training offsets: no read on the host).
+    Under bf16 autocast the weights' casts are recorded with the step (precision a user trains small models in on
+    a GPU); the capturable AdamW's bias corrections, tensors on the device, move bf16's roundings: losses to 2%."""
     common = ["debug=smoke", "device=cuda", f"encoding={encoding}", f"backend={backend}", "model.d_model=32",
-              "train.steps=30", "eval.ratios=[1,2]", *(["encoding.drop_at=0.5"] if encoding == "drope" else [])]
+              "train.steps=30", "eval.ratios=[1,2]", f"train.precision={precision}",
+              *(["encoding.drop_at=0.5"] if encoding == "drope" else [])]
     rows = {}
     for compile_mode in ("false", "capture"):
         posbench(*common, f"train.compile={compile_mode}", f"hydra.run.dir={tmp_path / compile_mode}", timeout=300)
         rows[compile_mode] = read_rows(tmp_path / compile_mode)
         assert [r["status"] for r in rows[compile_mode]] == ["ok", "ok"]
-    assert [r["loss"] for r in rows["capture"]] == pytest.approx([r["loss"] for r in rows["false"]], rel=1e-4)
+    rel = 1e-4 if precision == "fp32" else 2e-2
+    assert [r["loss"] for r in rows["capture"]] == pytest.approx([r["loss"] for r in rows["false"]], rel=rel)
 
 
 def test_auto_on_this_device_reads_its_tables_by_name_and_compute_capability(tmp_path):
