@@ -3,7 +3,7 @@
 The launcher (configs/hydra/launcher/gpus.yaml) is hydra-joblib-launcher with
 n_jobs = ${posbench.gpu_jobs:K}: K runs per GPU x the visible GPUs (`gpu_jobs`, decided once, in
 the sweep's own process). K=auto is each GPU's free memory over RUN_MIB a run, capped by the
-plateau of runs per GPU past which a sweep goes no faster (`plateau`).
+plateau of runs per GPU past which a sweep goes no faster (`plateau`) and by the CPU cores over the GPUs.
 
 Each job pins itself to one GPU by taking a slot (`take_slot`): one of n_jobs lock files under
 <sweep dir>/.gpu_slots/, held by flock. Slot s runs on cuda:(s mod GPUs), so every GPU has K slots.
@@ -93,24 +93,36 @@ def check_settings(runs_per_gpu, run_mib) -> None:
                          ">= 1, e.g. '${posbench.gpu_jobs:auto,4096}'")
 
 
+def host_cores() -> int:
+    """The CPU cores this process may run on (its affinity: a batch scheduler's share of the node)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def plan(runs_per_gpu, gpus: list[tuple[str, int]], run_mib: int = RUN_MIB,
-         results: Path = RESULTS) -> tuple[int, str]:
+         results: Path = RESULTS, cores: int | None = None) -> tuple[int, str]:
     """n_jobs for hydra/launcher=gpus, and a line saying how it was chosen. gpus: (name, free MiB) of
-    each visible GPU. K x the GPUs, K the smallest any GPU takes; without a GPU the sweep runs on
-    the CPU, runs_per_gpu jobs at a time if it is a number, else one."""
+    each visible GPU. K x the GPUs, K the smallest any GPU takes and, for auto, at most the CPU cores
+    (`cores`, default host_cores()) over the GPUs: a small run's eager step is mostly its host thread's work
+    (the default job's took 10 ms on an H100, hundreds of kernel launches), so runs past the cores share them.
+    Without a GPU the sweep runs on the CPU, runs_per_gpu jobs at a time if it is a number, else one."""
     check_settings(runs_per_gpu, run_mib)
     if not gpus:
         jobs = 1 if runs_per_gpu == "auto" else runs_per_gpu
         return jobs, (f"hydra/launcher=gpus: no CUDA GPU here; the sweep runs on the CPU, {jobs} job(s) at a time "
                       "(for CPU cores: hydra/launcher=joblib hydra.launcher.n_jobs=J threads=T)")
+    cores = cores or host_cores()
+    cores_per_gpu = max(1, cores // len(gpus))
     if runs_per_gpu == "auto":
         k, why = min((auto_runs_per_gpu(free, name, run_mib, results) for name, free in gpus), key=lambda kw: kw[0])
         how = f"auto: {why}"
+        if cores_per_gpu < k:
+            k, how = cores_per_gpu, f"{how}; at most {cores_per_gpu}: {cores} CPU cores here over {len(gpus)} GPU(s)"
     else:
         k, how = runs_per_gpu, "set"
     names = ", ".join(sorted({name for name, _ in gpus}))
+    crowded = f"; more than the {cores} CPU cores here, which they share" if k * len(gpus) > cores else ""
     return k * len(gpus), (f"hydra/launcher=gpus: {k} runs per GPU ({how}) x {len(gpus)} GPU(s) ({names}) = "
-                           f"{k * len(gpus)} jobs at a time, each pinned to one GPU")
+                           f"{k * len(gpus)} jobs at a time, each pinned to one GPU{crowded}")
 
 
 # Run in a child: mem_get_info makes a CUDA context (~0.5 GiB) on each GPU it reads, which the sweep's

@@ -36,22 +36,34 @@ def write_sweep_csv(results, device: str, rows: list[dict]) -> None:
 # --- K ---------------------------------------------------------------------------------------------
 
 def test_auto_k_is_free_memory_over_a_run_capped_by_the_provisional_plateau(tmp_path):
-    assert plan("auto", [(H200, 140_000)], results=tmp_path)[0] == PLATEAU_RUNS_PER_GPU  # the cap
-    jobs, message = plan("auto", [(H200, 4_500)], results=tmp_path)
+    assert plan("auto", [(H200, 140_000)], results=tmp_path, cores=64)[0] == PLATEAU_RUNS_PER_GPU  # the cap
+    jobs, message = plan("auto", [(H200, 4_500)], results=tmp_path, cores=64)
     assert jobs == 4 and "4500 MiB free / 1024 MiB a run = 4" in message  # memory bounds it
-    assert plan("auto", [(H200, 500)], results=tmp_path)[0] == 1  # always one
-    assert plan("auto", [(H200, 40_960)], run_mib=4096, results=tmp_path)[0] == 10
-    assert "provisional" in plan("auto", [(H200, 140_000)], results=tmp_path)[1]
+    assert plan("auto", [(H200, 500)], results=tmp_path, cores=64)[0] == 1  # always one
+    assert plan("auto", [(H200, 40_960)], run_mib=4096, results=tmp_path, cores=64)[0] == 10
+    assert "provisional" in plan("auto", [(H200, 140_000)], results=tmp_path, cores=64)[1]
 
 
 def test_k_is_the_same_on_every_gpu_the_smallest_any_takes(tmp_path):
-    jobs, message = plan("auto", [(H200, 140_000), (H200, 3_100)], results=tmp_path)
+    jobs, message = plan("auto", [(H200, 140_000), (H200, 3_100)], results=tmp_path, cores=64)
     assert jobs == 3 * 2 and "3 runs per GPU" in message and "x 2 GPU(s)" in message
 
 
 def test_a_set_k_is_taken_as_it_is(tmp_path):
-    jobs, message = plan(40, [(H200, 2_000), (H200, 2_000)], results=tmp_path)
+    jobs, message = plan(40, [(H200, 2_000), (H200, 2_000)], results=tmp_path, cores=16)
     assert jobs == 80 and "40 runs per GPU (set)" in message
+    assert message.endswith("more than the 16 CPU cores here, which they share")  # said, not changed
+    assert "CPU cores" not in plan(8, [(H200, 2_000)], results=tmp_path, cores=16)[1]
+
+
+def test_auto_k_is_at_most_the_cpu_cores_over_the_gpus(tmp_path):
+    """Each run's host thread takes a core: 8 GPUs on 32 cores get 4 runs each, not the plateau's 15."""
+    jobs, message = plan("auto", [(H200, 140_000)] * 8, results=tmp_path, cores=32)
+    assert jobs == 32 and "at most 4: 32 CPU cores here over 8 GPU(s)" in message
+    assert plan("auto", [(H200, 140_000)], results=tmp_path, cores=16)[0] == PLATEAU_RUNS_PER_GPU  # 15 of 16
+    assert plan("auto", [(H200, 140_000)] * 4, results=tmp_path, cores=2)[0] == 4  # at least one a GPU
+    assert plan("auto", [(H200, 3_100)], results=tmp_path, cores=64)[0] == 3  # memory binds first
+    assert gpu_slots.host_cores() >= 1
 
 
 def test_without_a_gpu_the_sweep_runs_on_the_cpu_one_job_or_the_users(tmp_path):
@@ -80,16 +92,16 @@ def test_a_measured_sweep_csv_replaces_the_cap_with_its_best_concurrent(tmp_path
         {"runs": 52, "wall_min": 10, "runs_per_hour": 312.0, "concurrent": "launcher default"},  # not a count
     ])
     assert measured_plateau(H200, tmp_path) == 24
-    jobs, message = plan("auto", [(H200, 140_000)], results=tmp_path)
+    jobs, message = plan("auto", [(H200, 140_000)], results=tmp_path, cores=64)
     assert jobs == 24 and f"measured: {tmp_path / 'nvidia-h200' / 'sweep.csv'}" in message
-    assert plan("auto", [(H200, 10_000)], results=tmp_path)[0] == 9  # memory still bounds it
+    assert plan("auto", [(H200, 10_000)], results=tmp_path, cores=64)[0] == 9  # memory still bounds it
     assert measured_plateau("NVIDIA H100", tmp_path) is None  # another device: the provisional cap
 
 
 def test_a_sweep_csv_without_a_usable_row_leaves_the_provisional_cap(tmp_path):
     write_sweep_csv(tmp_path, H200, [{"runs": 5, "wall_min": 1, "runs_per_hour": "", "concurrent": 8}])
     assert measured_plateau(H200, tmp_path) is None
-    assert plan("auto", [(H200, 140_000)], results=tmp_path)[0] == PLATEAU_RUNS_PER_GPU
+    assert plan("auto", [(H200, 140_000)], results=tmp_path, cores=64)[0] == PLATEAU_RUNS_PER_GPU
 
 
 def test_the_resolver_gives_n_jobs_once_and_says_how(monkeypatch, capsys):
