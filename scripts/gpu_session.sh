@@ -25,6 +25,7 @@ run)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl || exit 1
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 WANDB_MODE=disabled
+    rm -rf /tmp/gpu /tmp/gpu_kernels  # a warm machine keeps /tmp: $OUT gets this call's measurements only
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia_smi.csv"
     python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/nvidia_smi.csv"
     python3 -c "import numpy, triton; print('triton', triton.__version__, 'numpy', numpy.__version__)" \
@@ -67,7 +68,7 @@ run)
         startup)  # the default job's time outside training (46 s wall against 35 s of training on an H100): the same
             # command untrained, timed whole, with Python's import times
             ( TIMEFORMAT="startup: %R s wall, %U s user"; time timeout "$(within "${GPU_STARTUP_S:-50}")" \
-                python3 -X importtime -m posbench encoding=rope task=copy train.steps=0 hydra.run.dir=/tmp/startup \
+                python3 -X importtime -m posbench encoding=rope task=copy train.steps=0 "hydra.run.dir=$(mktemp -d)" \
                 > "$OUT/startup.log" 2> "$OUT/startup_imports.log" ) 2>&1 | tee -a "$OUT/startup.log" ;;
         costs)  # where the bias and decay methods' attention time goes (the cause of each shortfall against nope):
             # one call's parts, each timed against nope's kernel, the eager methods' too (scripts/attention_costs.py)
