@@ -51,7 +51,7 @@ RUN_MIB = 1024
 
 def measured_plateau(device_name: str, results: Path = RESULTS) -> int | None:
     """The `concurrent` of the row with the most runs_per_hour in results/gpu/<device>/sweep.csv;
-    None without the file or a row whose concurrent is a number of runs."""
+    None without the file or a row whose concurrent is a number of runs and that finished a run."""
     path = results / device_slug(device_name) / "sweep.csv"
     if not path.exists():
         return None
@@ -62,7 +62,7 @@ def measured_plateau(device_name: str, results: Path = RESULTS) -> int | None:
                 concurrent, rate = int(row["concurrent"]), float(row["runs_per_hour"])
             except (KeyError, TypeError, ValueError):  # "launcher default", an empty cell
                 continue
-            if concurrent >= 1 and (best is None or rate > best[1]):
+            if concurrent >= 1 and rate > 0 and (best is None or rate > best[1]):  # 0: no run finished
                 best = (concurrent, rate)
     return best[0] if best else None
 

@@ -809,10 +809,11 @@ def gpu_default_job() -> str:
 
 
 def gpu_sweep() -> str:
-    return gpu_table("sweep.csv", ["device", "runs", "at a time", "wall min", "runs/hour",
-                                   "the study (156 runs), min", "how"], "lrrrrrl",
+    return gpu_table("sweep.csv", ["device", "runs", "at a time", "wall min", "runs/hour", "training steps/s (all runs)",
+                                   "the study (156 runs), min", "how"], "lrrrrrrl",
                      lambda device, r: [f"`{device}`", r["runs"], r["concurrent"], f"{float(r['wall_min']):.1f}",
-                                        r["runs_per_hour"], r["extrapolated_study_min"], r["note"]])
+                                        r["runs_per_hour"], r.get("train_steps_per_s") or "–",
+                                        r["extrapolated_study_min"] or "–", r["note"]])
 
 
 def guard_memory() -> str:

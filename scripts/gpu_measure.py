@@ -24,6 +24,8 @@ results/gpu/<device name>/ for docs/performance.md to read (scripts/docs_tables.
   part one call can hold) through the sweep launcher (hydra/launcher=gpus, n_jobs = concurrent), a row per
   concurrency measured (a later call at another one adds its row); `extrapolated_study_min` scales it to the
   whole study (156 runs) by the CPU's measured cost of each task against copy, and says so in `note`.
+  `train_steps` (every run's, finished or under way) over the wall time is `train_steps_per_s`: where the
+  budget cut the sweep before any run finished, the study is extrapolated from it (a lower bound).
 - device.csv: `name, capability` of a CUDA device: a device of the same compute capability reads this folder's
   encodings.csv for the rows its own table lacks (posbench.attention.crossover).
 
@@ -66,12 +68,14 @@ ENCODING_FIELDS = ["encoding", "backend", "mode", "tokens", "tokens_per_s", "vs_
                    "timed_steps"]
 DEFAULT_JOB_FIELDS = ["device", "wall_s", "train_s", "exact_match_at_n", "data_fingerprint", "compile",
                       "train_steps_per_s", "train_tokens_per_s", "status"]
-SWEEP_FIELDS = ["runs", "wall_min", "runs_per_hour", "concurrent", "extrapolated_study_min", "note"]
+SWEEP_FIELDS = ["runs", "wall_min", "runs_per_hour", "concurrent", "train_steps", "train_steps_per_s",
+                "extrapolated_study_min", "note"]
 # The frontier study's run minutes per task against copy on the CPU (docs/studies.md, seed 2: 3.8 min a
 # copy run, 7.5 sparse flip-flop, 5.4 WikiText, 9.6 counting): one seed of all four tasks costs this many
 # copy parts; the study is three seeds.
 STUDY_COPY_PARTS = 3 * (3.8 + 7.5 + 5.4 + 9.6) / 3.8
 STUDY_RUNS = 156
+STUDY_RUN_SETS = 3 * 4  # seeds x tasks: a set is one seed's runs of one task (the copy part: 13 runs)
 
 
 def device_name(device) -> str:
@@ -303,7 +307,9 @@ def measure_default_job(args, out_device: str, deadline: float, env: dict) -> li
 
 def measure_sweep(args, deadline: float, env: dict) -> list[dict]:
     """The frontier study's copy runs of seed 0 through the sweep launcher: its wall time, extrapolated. A sweep
-    the budget cuts short is stopped (its whole process group) and its finished runs counted, said in `note`."""
+    the budget cuts short is stopped (its whole process group) and its finished runs counted, said in `note`.
+    `train_steps` counts every run's steps, finished or under way (each run's status.json, written every
+    train.log_every steps), so a window too short for a run to finish still measures the device's rate."""
     concurrent = next((line.split("=", 1)[1] for line in args.sweep_launcher if "n_jobs=" in line), "launcher default")
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()
@@ -321,15 +327,42 @@ def measure_sweep(args, deadline: float, env: dict) -> list[dict]:
         wall_min = (time.perf_counter() - start) / 60
         if sweep.returncode and not cut:
             raise RuntimeError(f"the sweep failed: {stderr[-2000:]}")
-        runs = sum(json.loads(path.read_text()).get("state") == "ok" for path in Path(folder).rglob("status.json"))
+        statuses = [json.loads(path.read_text()) for path in Path(folder).rglob("status.json")]
+    runs = sum(status.get("state") == "ok" for status in statuses)
+    steps = sum(int(status.get("step") or 0) for status in statuses)
+    return [sweep_row(runs, steps, wall_min, cut, concurrent)]
+
+
+def sweep_row(runs: int, steps: int, wall_min: float, cut: bool, concurrent) -> dict:
+    """sweep.csv's row of a sweep that finished `runs` runs and made `steps` training steps in all in wall_min
+    minutes (`cut`: stopped by the budget), the study extrapolated from the runs, or from the steps where none
+    finished."""
+    steps_per_s = steps / (60 * wall_min)
     how = (f"cut by the budget at {wall_min:.1f} min with {runs} runs finished (the others were under way)" if cut
            else f"measured: seed 0's {runs} copy runs")
-    return [{"runs": runs, "wall_min": round(wall_min, 3), "runs_per_hour": round(60 * runs / wall_min, 1),
-             "concurrent": concurrent, "extrapolated_study_min": round(STUDY_RUNS * wall_min / runs, 1) if cut and runs
-             else round(wall_min * STUDY_COPY_PARTS, 1) if runs else None,
-             "note": f"{how}; the study's {STUDY_RUNS} runs extrapolated "
-                     + ("at this rate, roughly (copy runs are the study's cheapest; runs under way not counted)" if cut else
-                        f"by the CPU's per-task cost against copy (x{STUDY_COPY_PARTS:.1f})")}]
+    if runs:
+        study_min = STUDY_RUNS * wall_min / runs if cut else wall_min * STUDY_COPY_PARTS
+        how += (f"; the study's {STUDY_RUNS} runs extrapolated " +
+                ("at this rate, roughly (copy runs are the study's cheapest; runs under way not counted)" if cut else
+                 f"by the CPU's per-task cost against copy (x{STUDY_COPY_PARTS:.1f})"))
+    elif steps:  # no run finished: the copy part's training steps at the rate of every run's steps, then as above
+        copy_steps = STUDY_RUNS // STUDY_RUN_SETS * study_steps()
+        study_min = copy_steps / steps_per_s / 60 * STUDY_COPY_PARTS
+        how += (f"; the study's {STUDY_RUNS} runs extrapolated from the {steps} training steps made at once "
+                f"({copy_steps} a copy part, x{STUDY_COPY_PARTS:.1f} by the CPU's per-task cost): start-up and "
+                "evaluation not counted, a lower bound")
+    else:
+        study_min = None
+    return {"runs": runs, "wall_min": round(wall_min, 3), "runs_per_hour": round(60 * runs / wall_min, 1),
+            "concurrent": concurrent, "train_steps": steps, "train_steps_per_s": round(steps_per_s, 1),
+            "extrapolated_study_min": None if study_min is None else round(study_min, 1), "note": how}
+
+
+def study_steps() -> int:
+    """train.steps of every run of the frontier study."""
+    from omegaconf import OmegaConf
+
+    return int(OmegaConf.load(ROOT / "configs" / "experiment" / "frontier.yaml").train.steps)
 
 
 def run_env(folder: Path) -> dict:

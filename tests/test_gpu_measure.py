@@ -79,6 +79,7 @@ def test_the_default_job_and_the_sweep_parts(tmp_path, monkeypatch):
     assert job["compile"] == "eager" and job["status"] == "ok" and float(job["train_steps_per_s"]) > 0
     (sweep,) = read(tmp_path, "sweep.csv")
     assert sweep["runs"] == "2" and sweep["concurrent"] == "2"
+    assert int(sweep["train_steps"]) == 2 * 20 and float(sweep["train_steps_per_s"]) > 0  # debug=smoke: 20 steps
     assert float(sweep["runs_per_hour"]) == pytest.approx(120 / float(sweep["wall_min"]), rel=0.02)  # wall_min rounded
     assert "extrapolated" in sweep["note"]
     tables = docs_tables(monkeypatch, tmp_path)
@@ -146,3 +147,17 @@ def test_a_cuda_devices_folder_records_its_name_and_compute_capability(tmp_path,
     assert found is None  # a device folder without encodings.csv is no table
     (tmp_path / "nvidia-h200" / crossover.TABLE_FILE).write_text("encoding,backend,mode,tokens,tokens_per_s\n")
     assert crossover.table_for("NVIDIA H200 NVL", "9.0", tmp_path).source == "nvidia-h200"
+
+
+def test_a_sweep_cut_before_any_run_finished_is_extrapolated_from_every_runs_steps():
+    """13 runs at once made 26,000 steps in 2 minutes (no run done): 216.7 steps/s; the copy part's 13 x 4,000
+    steps take 4 minutes at that rate, the study that times the CPU's per-task cost, a lower bound."""
+    from scripts.gpu_measure import STUDY_COPY_PARTS, sweep_row
+
+    row = sweep_row(0, 26_000, 2.0, True, "13")
+    assert row["runs"] == 0 and row["runs_per_hour"] == 0 and row["train_steps_per_s"] == 216.7
+    assert row["extrapolated_study_min"] == pytest.approx(4.0 * STUDY_COPY_PARTS, abs=0.05)
+    assert "26000 training steps" in row["note"] and "a lower bound" in row["note"]
+    finished = sweep_row(13, 52_000, 4.0, True, "13")  # runs done: extrapolated from them, as before
+    assert finished["extrapolated_study_min"] == pytest.approx(156 * 4.0 / 13) and "at this rate" in finished["note"]
+    assert sweep_row(0, 0, 1.0, True, "13")["extrapolated_study_min"] is None  # nothing to go on

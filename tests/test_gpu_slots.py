@@ -99,7 +99,8 @@ def test_a_measured_sweep_csv_replaces_the_cap_with_its_best_concurrent(tmp_path
 
 
 def test_a_sweep_csv_without_a_usable_row_leaves_the_provisional_cap(tmp_path):
-    write_sweep_csv(tmp_path, H200, [{"runs": 5, "wall_min": 1, "runs_per_hour": "", "concurrent": 8}])
+    write_sweep_csv(tmp_path, H200, [{"runs": 5, "wall_min": 1, "runs_per_hour": "", "concurrent": 8},
+                                     {"runs": 0, "wall_min": 1, "runs_per_hour": 0.0, "concurrent": 13}])  # none done
     assert measured_plateau(H200, tmp_path) is None
     assert plan("auto", [(H200, 140_000)], results=tmp_path, cores=64)[0] == PLATEAU_RUNS_PER_GPU
 
