@@ -183,7 +183,8 @@ class SegmentRows(torch.autograd.Function):
 
 
 def measure(encoding_name: str, tokens: int, tokens_per_step: int, device, device_label: str,
-            backends: list[str]) -> list[dict]:
+            backends: list[str], kept=lambda row: None) -> list[dict]:
+    """The rows of one encoding at one length; `kept` is called with each row as it is timed."""
     from posbench.build import build
     from scripts.gpu_measure import compose_cfg, sequence_task_length
 
@@ -205,6 +206,7 @@ def measure(encoding_name: str, tokens: int, tokens_per_step: int, device, devic
         print(f"{encoding_name:>9} {tokens:>6} x {batch:<4} {part:<32} {row['ms']!s:>10} ms  "
               f"{row['times_nope']!s:>6} x nope  {row['status']}", flush=True)
         rows.append(row)
+        kept(row)
     return rows
 
 
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--backends", default=CALL_BACKENDS, help="the backends whose whole call is timed, "
                         "of sdpa,flex,fla,eager")
     parser.add_argument("--budget-s", type=float, default=120, help="no new length is started past this")
-    parser.add_argument("--out", type=Path, help="a CSV of the rows (written after each length)")
+    parser.add_argument("--out", type=Path, help="a CSV of the rows (written after each row)")
     args = parser.parse_args(argv)
     from posbench.hooks import BACKEND_NAMES
 
@@ -232,18 +234,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.backends.cuda.matmul.allow_tf32 = False
     device = resolve_device(args.device)
     label, deadline, rows = device_name(device), time.monotonic() + args.budget_s, []
+
+    def keep(row: dict) -> None:  # each row written as it is timed
+        rows.append(row)
+        write_rows(args.out, rows)
+
     for tokens in (int(t) for t in args.tokens.split(",")):
         for name in args.encodings.split(","):
             if time.monotonic() > deadline:
                 print(f"budget of {args.budget_s:g} s spent: {name} at {tokens} tokens and later not measured")
                 return rows
-            rows += measure(name, tokens, args.tokens_per_step, device, label, args.backends.split(","))
-            if args.out:
-                with args.out.open("w", newline="") as file:
-                    writer = csv.DictWriter(file, FIELDS)
-                    writer.writeheader()
-                    writer.writerows(rows)
+            measure(name, tokens, args.tokens_per_step, device, label, args.backends.split(","), kept=keep)
     return rows
+
+
+def write_rows(path: Path | None, rows: list[dict]) -> None:
+    """The rows so far to `path` (none: nothing written): a call stopped mid-encoding keeps what it timed."""
+    if path is None:
+        return
+    with path.open("w", newline="") as file:
+        writer = csv.DictWriter(file, FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 if __name__ == "__main__":
