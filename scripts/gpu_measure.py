@@ -29,8 +29,8 @@ results/gpu/<device name>/ for docs/performance.md to read (scripts/docs_tables.
 - device.csv: `name, capability` of a CUDA device: a device of the same compute capability reads this folder's
   encodings.csv for the rows its own table lacks (posbench.attention.crossover).
 
-Everything runs within --budget-s (the parts in the order given, nope and the issue's targets first among the
-encodings); what the budget leaves out is written as rows with status `not measured: budget`, never dropped.
+Everything runs within --budget-s (the parts in the order given; nope first among the encodings, then those of
+--encodings in its order, or the issue's targets before the rest); what the budget leaves out is written as rows with status `not measured: budget`, never dropped.
 """
 from __future__ import annotations
 
@@ -199,12 +199,12 @@ def failure(err: Exception) -> str:
 # ---------------------------------------------------------------- parent: the three parts
 
 def encoding_plan(names: list[str], backends: list[str] | None = None) -> list[tuple[str, list[int], str]]:
-    """(encoding, token counts, backends) in measuring order: nope, the targets, the rest. Every encoding on
+    """(encoding, token counts, backends) in measuring order: nope, then `names` as given. Every encoding on
     auto's choice; those with a bias or a decay, the crossover's candidates, on each backend besides (of
     `backends` only, when given)."""
     from posbench.encodings import REGISTRY
 
-    order = [BASELINE] + [n for n in TARGETS if n in names] + [n for n in names if n not in TARGETS]
+    order = [BASELINE, *names]
     candidates = [b for b in BACKENDS if b in backends] if backends else [b for b in BACKENDS if b != FLA]
     plan = []
     for name in dict.fromkeys(order):
@@ -227,7 +227,8 @@ def measure_encodings(args, deadline: float, path: Path) -> list[dict]:
     from posbench.encodings import REGISTRY
 
     known = [name for name, cls in REGISTRY.items() if cls.position_dims == 1]
-    names = args.encodings.split(",") if args.encodings else known
+    # named: in the caller's order (a short call's most wanted first); all: the issue's targets first
+    names = args.encodings.split(",") if args.encodings else [*TARGETS, *(n for n in known if n not in TARGETS)]
     unknown = sorted(set(names) - set(known))
     if unknown:
         raise SystemExit(f"--encodings: unknown {unknown}; choose from {sorted(known)}")
