@@ -31,6 +31,7 @@ import csv
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -183,8 +184,8 @@ class SegmentRows(torch.autograd.Function):
 
 
 def measure(encoding_name: str, tokens: int, tokens_per_step: int, device, device_label: str,
-            backends: list[str], kept=lambda row: None) -> list[dict]:
-    """The rows of one encoding at one length; `kept` is called with each row as it is timed."""
+            backends: list[str]) -> Iterator[dict]:
+    """The rows of one encoding at one length, each as it is timed."""
     from posbench.build import build
     from scripts.gpu_measure import compose_cfg, sequence_task_length
 
@@ -192,7 +193,7 @@ def measure(encoding_name: str, tokens: int, tokens_per_step: int, device, devic
     cfg = compose_cfg([f"encoding={encoding_name}", "model=small", f"train.length={sequence_task_length(tokens)}",
                        f"device={device.type}"])
     encoding = build(cfg, device).encoding
-    rows, nope_ms = [], None
+    nope_ms = None
     for part, run in parts(encoding, tokens, batch, device, backends).items():
         row = {"device": device_label, "encoding": encoding_name, "tokens": tokens, "batch_size": batch, "part": part}
         try:
@@ -205,9 +206,7 @@ def measure(encoding_name: str, tokens: int, tokens_per_step: int, device, devic
         row["times_nope"] = round(row["ms"] / nope_ms, 2) if row["ms"] != "" and nope_ms else ""
         print(f"{encoding_name:>9} {tokens:>6} x {batch:<4} {part:<32} {row['ms']!s:>10} ms  "
               f"{row['times_nope']!s:>6} x nope  {row['status']}", flush=True)
-        rows.append(row)
-        kept(row)
-    return rows
+        yield row
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -234,17 +233,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.backends.cuda.matmul.allow_tf32 = False
     device = resolve_device(args.device)
     label, deadline, rows = device_name(device), time.monotonic() + args.budget_s, []
-
-    def keep(row: dict) -> None:  # each row written as it is timed
-        rows.append(row)
-        write_rows(args.out, rows)
-
     for tokens in (int(t) for t in args.tokens.split(",")):
         for name in args.encodings.split(","):
             if time.monotonic() > deadline:
                 print(f"budget of {args.budget_s:g} s spent: {name} at {tokens} tokens and later not measured")
                 return rows
-            measure(name, tokens, args.tokens_per_step, device, label, args.backends.split(","), kept=keep)
+            for row in measure(name, tokens, args.tokens_per_step, device, label, args.backends.split(",")):
+                rows.append(row)
+                write_rows(args.out, rows)
     return rows
 
 

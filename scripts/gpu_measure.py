@@ -30,7 +30,8 @@ results/gpu/<device name>/ for docs/performance.md to read (scripts/docs_tables.
   encodings.csv for the rows its own table lacks (posbench.attention.crossover).
 
 Everything runs within --budget-s (the parts in the order given; nope first among the encodings, then those of
---encodings in its order, or the issue's targets before the rest); what the budget leaves out is written as rows with status `not measured: budget`, never dropped.
+--encodings in its order, or the issue's targets before the rest); what the budget leaves out is written as
+rows with status `not measured: budget`, never dropped.
 """
 from __future__ import annotations
 
