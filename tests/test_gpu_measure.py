@@ -151,7 +151,7 @@ def test_a_cuda_devices_folder_records_its_name_and_compute_capability(tmp_path,
 
 def test_a_sweep_cut_before_any_run_finished_is_extrapolated_from_every_runs_steps():
     """13 runs at once made 26,000 steps in 2 minutes (no run done): 216.7 steps/s; the copy part's 13 x 4,000
-    steps take 4 minutes at that rate, the study that times the CPU's per-task cost, a lower bound."""
+    steps take 4 minutes at that rate; the study is that times the CPU's per-task factor, a lower bound."""
     from scripts.gpu_measure import STUDY_COPY_PARTS, sweep_row
 
     row = sweep_row(0, 26_000, 2.0, True, "13")
